@@ -1,0 +1,29 @@
+# One-command set-up, demo, tests and benchmarks. Everything runs from the project's .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m cmacc.demo --out runs/demo
+
+test: install
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+bench: install
+	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only
+	$(PY) bench/bench_grad_embed.py
+	$(PY) bench/bench_kmeanspp.py
+
+clean:
+	rm -rf runs/demo .pytest_cache

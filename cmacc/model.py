@@ -1,0 +1,159 @@
+"""The method: cross-modal (and unimodal) momentum contrast with active negative sampling.
+
+One training iteration (``CMACC.forward``), for the global batch of M clips split over ranks:
+
+    1. momentum update of the key encoders (incl. the cross-modal fcl rule)
+    2. queries  q_v, h_v = f_v(v);  q_a, h_a = f_a(a)            (with grad, this rank's clips)
+       keys     k_v = h_v(v);       k_a = h_a(a)                 (no grad, shuffle-BN)
+    3. active samplers: S_v = select(U_v \\ D_v; pseudo-labels from the global q_a, h_a) → D_v
+                        S_a = select(U_a \\ D_a; pseudo-labels from the global q_v, h_v) → D_a
+    4. loss = ½ [CE([q_v·k_a, q_v·D_a]/τ, 0) + CE([q_a·k_v, q_a·D_v]/τ, 0)]
+    5. random sampler: enqueue the batch keys (MoCo order: after the loss);
+       rolling pools: push the batch keys into U_v, U_a
+
+``smoco`` replaces 3-5 by two unimodal MoCo losses (second augmented views as keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import distributed as du
+from .config import ModelConfig
+from .encoders import AudioResNet1d, Encoder, key_copy, momentum_update, video_backbone
+from .queues import KeyPool, KeyQueue
+from .samplers import select, selection_seed
+
+
+def contrastive_loss(q, k_pos, negatives, tau):
+    """InfoNCE with one positive (index 0) and the dictionary as negatives.
+    q [B, d], k_pos [B, d], negatives [K, d] → (mean CE, top-1 accuracy)."""
+    l_pos = (q * k_pos).sum(1, keepdim=True)  # [B, 1]
+    l_neg = q @ negatives.t().to(q.dtype)  # [B, K]
+    logits = torch.cat([l_pos, l_neg], 1) / tau  # [B, 1 + K]
+    target = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    loss = F.cross_entropy(logits.float(), target)
+    acc = (logits.argmax(1) == 0).float().mean()
+    return loss, acc
+
+
+class CMACC(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        fcl = cfg.fcl_dim if cfg.fcl else None
+        self.f_v = Encoder(video_backbone(cfg.video_arch, cfg.video_width, cfg.video_layers),
+                           cfg.dim, fcl)
+        self.f_a = Encoder(AudioResNet1d(cfg.n_mels, cfg.audio_width, cfg.audio_layers),
+                           cfg.dim, fcl)
+        self.h_v = key_copy(self.f_v)
+        self.h_a = key_copy(self.f_a)
+        if self.cross_fcl:
+            if self.f_v.fcl.weight.shape != self.f_a.fcl.weight.shape:
+                raise ValueError(
+                    "fcl: the video and audio fcl layers differ in shape "
+                    f"({tuple(self.f_v.fcl.weight.shape)} vs {tuple(self.f_a.fcl.weight.shape)}); "
+                    "use equal backbone widths or --no-fcl"
+                )
+            # key fcl of modality x follows the query fcl of the other modality from the start
+            self.h_v.fcl.load_state_dict(self.f_a.fcl.state_dict())
+            self.h_a.fcl.load_state_dict(self.f_v.fcl.state_dict())
+        self.dict_v = KeyQueue(cfg.dict_size, cfg.dim)  # D_v: video keys
+        self.dict_a = KeyQueue(cfg.dict_size, cfg.dim)  # D_a: audio keys
+        self.pool_v = KeyPool(cfg.pool_size, cfg.dim)  # U_v
+        self.pool_a = KeyPool(cfg.pool_size, cfg.dim)  # U_a
+
+    @property
+    def cross_fcl(self) -> bool:
+        return self.cfg.fcl and self.cfg.objective == "cross"
+
+    def query_parameters(self):
+        return list(self.f_v.parameters()) + list(self.f_a.parameters())
+
+    # -- no-grad helpers ------------------------------------------------------------------
+    @torch.no_grad()
+    def _momentum_update_key_encoders(self):
+        m = self.cfg.momentum
+        for key, query, other in ((self.h_v, self.f_v, self.f_a), (self.h_a, self.f_a, self.f_v)):
+            momentum_update(key.backbone, query.backbone, m)
+            momentum_update(key.head, query.head, m)
+            if key.fcl is not None:  # θ_k^{x,fc} ← m θ_k^{x,fc} + (1−m) θ_q^{other,fc}
+                momentum_update(key.fcl, other.fcl if self.cross_fcl else query.fcl, m)
+
+    @torch.no_grad()
+    def encode_keys(self, encoder: Encoder, x: torch.Tensor) -> torch.Tensor:
+        """Key encoder forward with shuffle-BN across ranks. [B, ...] → [B, d]."""
+        xs, unshuffle = du.batch_shuffle(x)
+        k, _ = encoder(xs)
+        return du.batch_unshuffle(k, unshuffle)
+
+    # -- one iteration --------------------------------------------------------------------
+    def forward(self, video, audio, index, step: int, video2=None, audio2=None):
+        """Returns (loss, stats) with stats a dict of 0-d tensors (no host sync)."""
+        cfg = self.cfg
+        self._momentum_update_key_encoders()
+        q_v, h_v = self.f_v(video)  # [B, d], [B, d_h]
+        q_a, h_a = self.f_a(audio)
+        if cfg.objective == "smoco":
+            return self._smoco(q_v, q_a, index, video2, audio2)
+
+        k_v = self.encode_keys(self.h_v, video)  # [B, d]
+        k_a = self.encode_keys(self.h_a, audio)
+        k_v_all, k_a_all = du.gather_cat(k_v), du.gather_cat(k_a)  # [M, d]
+        index_all = du.gather_cat(index)  # [M]
+        stats = {}
+        # active once the pool can hold the dictionary plus a batch: U \ D then has >= M
+        # candidates (before that, and for XMoCo, the batch keys are enqueued: warm-up)
+        ready = min(self.pool_v.size, cfg.dict_size + index_all.shape[0])
+        active = cfg.sampler != "random" and self.pool_v.count >= ready
+        if active:  # paper Alg. 1 lines 10-21: select, enqueue, then the loss
+            q_v_all, h_v_all = du.gather_cat(q_v.detach()), du.gather_cat(h_v.detach().float())
+            q_a_all, h_a_all = du.gather_cat(q_a.detach()), du.gather_cat(h_a.detach().float())
+            m = index_all.shape[0]
+            sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
+            sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
+            self.dict_v.enqueue(sel_v.keys, sel_v.index)
+            self.dict_a.enqueue(sel_a.keys, sel_a.index)
+            stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2
+            stats["fallback"] = torch.maximum(sel_v.fallback, sel_a.fallback)
+            stats["enq_index_v"], stats["enq_index_a"] = sel_v.index, sel_a.index
+        loss_va, acc_va = contrastive_loss(q_v, k_a, self.dict_a.keys.clone(), cfg.tau)
+        loss_av, acc_av = contrastive_loss(q_a, k_v, self.dict_v.keys.clone(), cfg.tau)
+        if not active:  # XMoCo (and the pool warm-up of the active samplers)
+            self.dict_v.enqueue(k_v_all, index_all)
+            self.dict_a.enqueue(k_a_all, index_all)
+            stats["enq_index_v"] = stats["enq_index_a"] = index_all
+        if cfg.pool_mode == "rolling":
+            self.pool_v.push(k_v_all, index_all)
+            self.pool_a.push(k_a_all, index_all)
+        stats.update(loss_va=loss_va.detach(), loss_av=loss_av.detach(),
+                     acc=(acc_va + acc_av) / 2, active=float(active))
+        return (loss_va + loss_av) / 2, stats
+
+    def _select(self, pool, dictionary, queries, feats, m, step, which):
+        pk, pi = pool.valid()
+        return select(self.cfg.sampler, pool_keys=pk, pool_index=pi, dict_index=dictionary.index,
+                      queries=queries, feats=feats, m=m, tau_p=self.cfg.tau_p,
+                      view=self.cfg.grad_view, seed=selection_seed(self.cfg.seed, step, which))
+
+    def _smoco(self, q_v, q_a, index, video2, audio2):
+        if video2 is None or audio2 is None:
+            raise ValueError("objective 'smoco' needs a second augmented view (video2, audio2)")
+        k_v = self.encode_keys(self.h_v, video2)
+        k_a = self.encode_keys(self.h_a, audio2)
+        loss_v, acc_v = contrastive_loss(q_v, k_v, self.dict_v.keys.clone(), self.cfg.tau)
+        loss_a, acc_a = contrastive_loss(q_a, k_a, self.dict_a.keys.clone(), self.cfg.tau)
+        index_all = du.gather_cat(index)
+        self.dict_v.enqueue(du.gather_cat(k_v), index_all)
+        self.dict_a.enqueue(du.gather_cat(k_a), index_all)
+        stats = dict(loss_vv=loss_v.detach(), loss_aa=loss_a.detach(), acc=(acc_v + acc_a) / 2,
+                     enq_index_v=index_all, enq_index_a=index_all)
+        return (loss_v + loss_a) / 2, stats
+
+    # -- dictionaries and pools from encoded clips ----------------------------------------
+    @torch.no_grad()
+    def encode_clips(self, video, audio):
+        """Key-encoder outputs (k_v, k_a) for a batch of clips (dictionary init, epoch pools)."""
+        return self.encode_keys(self.h_v, video), self.encode_keys(self.h_a, audio)

@@ -1,0 +1,248 @@
+"""cmacc/: ring buffers, momentum rules, the loss, the samplers — each against a hand or brute
+force computation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cmacc.config import ModelConfig
+from cmacc.encoders import AudioResNet1d, video_backbone
+from cmacc.model import CMACC, contrastive_loss
+from cmacc.queues import KeyPool, KeyQueue
+from cmacc.samplers import select
+from kernels import reference as ref
+
+TINY = dict(batch_size=4, dict_size=10, pool_size=30, video_width=4, video_layers=(1, 1, 1, 1),
+            audio_width=4, audio_layers=(1, 1, 1, 1), fcl_dim=16, dim=8, momentum=0.9)
+
+
+def tiny_cfg(**kw):
+    return ModelConfig(**{**TINY, **kw})
+
+
+def tiny_batch(b=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, 3, 4, 16, 16, generator=g), torch.randn(b, 80, 20, generator=g),
+            torch.arange(b) + 100 * seed)
+
+
+# -- queues ---------------------------------------------------------------------------------
+def test_queue_wraps_around_with_k_not_a_multiple_of_m():
+    q = KeyQueue(7, 2)
+    written = []
+    for step in range(5):  # 5 * 3 = 15 writes into 7 slots
+        keys = torch.full((3, 2), float(step)) + torch.arange(3)[:, None] / 10
+        idx = torch.arange(3) + 10 * step
+        q.enqueue(keys, idx)
+        written += list(zip(idx.tolist(), keys[:, 0].tolist()))
+    # slot s holds the last write w with w % 7 == s
+    for s in range(7):
+        last = max(w for w in range(15) if w % 7 == s)
+        assert q.index[s].item() == written[last][0]
+        assert q.keys[s, 0].item() == pytest.approx(written[last][1])
+    assert q.ptr.item() == 15 % 7
+
+
+def test_queue_keeps_only_newest_when_m_exceeds_k():
+    q = KeyQueue(4, 1)
+    q.enqueue(torch.arange(6.0)[:, None], torch.arange(6))
+    assert sorted(q.index.tolist()) == [2, 3, 4, 5]
+
+
+def test_pool_count_and_state_roundtrip():
+    p = KeyPool(5, 2)
+    p.push(torch.ones(3, 2), torch.arange(3))
+    assert p.count == 3 and p.valid()[0].shape == (3, 2)
+    p.push(torch.ones(4, 2), torch.arange(4))
+    assert p.count == 5
+    p2 = KeyPool(5, 2)
+    p2.load_state_dict(p.state_dict())
+    assert p2.count == 5 and torch.equal(p2.index, p.index)
+
+
+# -- encoders -------------------------------------------------------------------------------
+def test_paper_backbones_have_512_features():
+    assert video_backbone("r3d_18").out_dim == 512
+    assert video_backbone("r2plus1d_18").out_dim == 512
+    assert AudioResNet1d().out_dim == 512
+    with pytest.raises(ValueError, match="log-mel batch"):
+        AudioResNet1d()(torch.randn(2, 40, 10))
+
+
+@pytest.mark.parametrize("arch", ["r3d_18", "r2plus1d_18"])
+def test_scaled_video_backbone_runs(arch):
+    net = video_backbone(arch, width=4, layers=(1, 1, 1, 1))
+    assert net(torch.randn(2, 3, 4, 16, 16)).shape == (2, 32)
+
+
+# -- momentum -------------------------------------------------------------------------------
+def test_momentum_update_with_cross_modal_fcl_rule():
+    model = CMACC(tiny_cfg())
+    for p in model.parameters():  # make query and key weights all differ
+        p.data.normal_()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model._momentum_update_key_encoders()
+    m = 0.9
+    for n, p in model.named_parameters():
+        if n.startswith("h_"):
+            x = n[2]  # v or a
+            other = "a" if x == "v" else "v"
+            src = f"f_{other}" if ".fcl." in n else f"f_{x}"  # fcl follows the OTHER modality
+            want = m * before[n] + (1 - m) * before[src + n[3:]]
+            torch.testing.assert_close(p, want)
+        else:
+            assert torch.equal(p, before[n])  # query encoders untouched
+
+
+def test_momentum_update_without_fcl_is_same_modality():
+    model = CMACC(tiny_cfg(fcl=False))
+    assert model.f_v.fcl is None
+    for p in model.parameters():
+        p.data.normal_()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model._momentum_update_key_encoders()
+    for n, p in model.named_parameters():
+        if n.startswith("h_"):
+            torch.testing.assert_close(p, 0.9 * before[n] + 0.1 * before["f_" + n[2:]])
+
+
+def test_key_encoders_get_no_gradient():
+    model = CMACC(tiny_cfg(sampler="random"))
+    v, a, idx = tiny_batch()
+    loss, _ = model(v, a, idx, step=0)
+    loss.backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n.startswith("h_"))
+    assert all(p.grad is not None for p in model.f_v.parameters())
+    assert all(p.grad is not None for p in model.f_a.parameters())
+
+
+# -- loss -----------------------------------------------------------------------------------
+def test_contrastive_loss_equals_hand_computation():
+    q = F.normalize(torch.tensor([[1.0, 0.0], [0.6, 0.8]]), dim=1)
+    k = F.normalize(torch.tensor([[0.8, 0.6], [0.0, 1.0]]), dim=1)
+    neg = F.normalize(torch.tensor([[1.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]), dim=1)
+    tau = 0.7
+    want, acc = 0.0, 0.0
+    for i in range(2):
+        pos = float(q[i] @ k[i])
+        negs = [float(q[i] @ n) for n in neg]
+        z = sum(math.exp(x / tau) for x in [pos] + negs)
+        want += -(pos / tau - math.log(z)) / 2
+        acc += float(pos > max(negs)) / 2
+    loss, got_acc = contrastive_loss(q, k, neg, tau)
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    assert got_acc.item() == pytest.approx(acc)
+
+
+def test_cross_modal_loss_uses_the_other_modalitys_dictionary():
+    model = CMACC(tiny_cfg(sampler="random"))
+    v, a, idx = tiny_batch()
+    dv, da = model.dict_v.keys.clone(), model.dict_a.keys.clone()
+    torch.manual_seed(0)
+    loss, stats = model(v, a, idx, step=0)
+    # recompute by hand with the post-update key encoders (momentum ran first in forward)
+    with torch.no_grad():
+        q_v, _ = model.f_v(v)
+        q_a, _ = model.f_a(a)
+        k_v, _ = model.h_v(v)
+        k_a, _ = model.h_a(a)
+    l_va, _ = contrastive_loss(q_v, k_a, da, 0.7)
+    l_av, _ = contrastive_loss(q_a, k_v, dv, 0.7)
+    assert loss.item() == pytest.approx(((l_va + l_av) / 2).item(), rel=1e-5)
+    # XMoCo: the batch keys were enqueued after the loss
+    assert torch.equal(model.dict_v.index[:4], idx)
+    torch.testing.assert_close(model.dict_v.keys[:4], k_v)
+    torch.testing.assert_close(model.dict_a.keys[:4], k_a)
+
+
+# -- samplers -------------------------------------------------------------------------------
+def _pool(n=40, m=5, d=6, dh=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = F.normalize(torch.randn(n, d, generator=g), dim=1)
+    queries = F.normalize(torch.randn(m, d, generator=g), dim=1)
+    feats = torch.randn(m, dh, generator=g)
+    index = torch.randperm(1000, generator=g)[:n]
+    return keys, index, queries, feats
+
+
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+def test_samplers_exclude_clips_already_in_the_dictionary(sampler):
+    keys, index, queries, feats = _pool()
+    dict_index = torch.cat([index[::2], torch.tensor([-1, -1])])  # half the pool is in D
+    sel = select(sampler, pool_keys=keys, pool_index=index, dict_index=dict_index,
+                 queries=queries, feats=feats, m=5, seed=3)
+    assert sel.keys.shape == (5, 6)
+    assert len(set(sel.index.tolist())) == 5
+    assert not torch.isin(sel.index, dict_index).any()
+    assert sel.fallback.item() == 0.0
+
+
+def test_active_sampler_is_kmeanspp_over_gradient_embeddings():
+    keys, index, queries, feats = _pool()
+    sel = select("active", pool_keys=keys, pool_index=index, dict_index=torch.tensor([-1]),
+                 queries=queries, feats=feats, m=5, seed=11)
+    a, b = ref.grad_embed(keys, queries, feats, view="head")  # uncompressed: same picks
+    want = ref.kmeanspp(a, b, 5, seed=11)
+    assert torch.equal(sel.index, index[want])
+    # gradient norms of the picks: |g| of the materialised embedding
+    g = ref.materialise(a, b)[want]
+    assert sel.gnorm.item() == pytest.approx(g.norm(dim=1).mean().item(), rel=1e-5)
+
+
+def test_ohem_picks_the_highest_pseudo_label_losses():
+    keys, index, queries, feats = _pool()
+    dict_index = index[:10]
+    sel = select("ohem", pool_keys=keys, pool_index=index, dict_index=dict_index,
+                 queries=queries, feats=feats, m=5, seed=0)
+    ce = [F.cross_entropy((keys[n] @ queries.t())[None], (keys[n] @ queries.t()).argmax()[None])
+          .item() if n >= 10 else -1 for n in range(40)]
+    want = sorted(range(40), key=lambda n: -ce[n])[:5]
+    assert sorted(sel.index.tolist()) == sorted(index[want].tolist())
+
+
+def test_sampler_drops_exclusion_when_too_few_candidates_remain():
+    keys, index, queries, feats = _pool(n=8)
+    sel = select("active", pool_keys=keys, pool_index=index, dict_index=index[:6],
+                 queries=queries, feats=feats, m=5, seed=0)
+    assert sel.fallback.item() == 1.0 and len(set(sel.index.tolist())) == 5
+
+
+def test_active_model_enqueues_selected_pool_keys_before_the_loss():
+    model = CMACC(tiny_cfg(sampler="active", pool_size=30))
+    seen, n_active = set(), 0
+    for step in range(8):
+        v, a, idx = tiny_batch(seed=step)
+        seen |= set(idx.tolist())
+        dict_before = set(model.dict_v.index.tolist())
+        loss, stats = model(v, a, idx, step=step)
+        assert math.isfinite(loss.item())
+        if stats["active"]:
+            picked = stats["enq_index_v"].tolist()
+            assert set(picked) <= seen and not set(picked) & dict_before
+            assert set(picked) <= set(model.dict_v.index.tolist())
+            assert stats["fallback"].item() == 0.0
+            n_active += 1
+    assert model.pool_v.count == 30 and n_active == 4  # warm-up: 4 steps fill 14 >= K + M
+
+
+def test_smoco_needs_second_view_and_runs():
+    model = CMACC(tiny_cfg(objective="smoco", sampler="random"))
+    v, a, idx = tiny_batch()
+    with pytest.raises(ValueError, match="second augmented view"):
+        model(v, a, idx, step=0)
+    loss, stats = model(v, a, idx, step=0, video2=v.flip(-1), audio2=a)
+    assert math.isfinite(loss.item()) and "loss_vv" in stats
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(sampler="bogus"), "sampler"),
+    (dict(dict_size=2), "dict_size"),
+    (dict(pool_size=12), "pool_size"),
+    (dict(objective="smoco"), "random sampling"),
+    (dict(momentum=1.0), "momentum"),
+])
+def test_config_rejects_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        tiny_cfg(**kw)
