@@ -13,7 +13,7 @@ setup(
     long_description=(here / "README.md").read_text() if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["cmacc", "kernels", "data_dali"],
+    packages=[p for p in ("cmacc", "kernels", "data_dali") if (here / p / "__init__.py").exists()],
     py_modules=["train"],
     install_requires=[
         "torch>=2.9",

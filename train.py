@@ -40,6 +40,8 @@ from cmacc import distributed as du
 from cmacc.config import (DICT_INITS, GRAD_VIEWS, OBJECTIVES, POOL_MODES, SAMPLERS, ModelConfig,
                           TrainConfig, config_hash, to_dict)
 from cmacc.encoders import VIDEO_ARCHS
+from cmacc.engine import (SectionTimer, any_rank, fill_epoch_pools, init_dictionaries, peak_flops,
+                          verify_ranks_agree)
 from cmacc.metrics import CSVLog, category_diversity, plot_metrics
 from cmacc.model import CMACC
 
@@ -58,7 +60,7 @@ PRESETS = {
                  data=dict(frames=8, size=32, clips=256, classes=8)),
 }
 METRIC_FIELDS = ["step", "epoch", "loss", "acc", "lr", "clips_per_s", "diversity", "gnorm",
-                 "active", "fallback", "t_data", "t_step"]
+                 "active", "fallback", "t_data", "t_step", "t_select", "mfu", "mem_gb"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--log-every", type=int, help="log/metrics interval in steps")
     g.add_argument("--ckpt-every", type=int, default=0, help="checkpoint interval in steps (0: only at the end)")
+    g.add_argument("--config", help="JSON file of flag values (long names); command-line flags win")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard scalars to OUT/tb")
     g = p.add_argument_group("method")
     g.add_argument("--objective", choices=OBJECTIVES, help="cross (XMoCo/CM-ACC) or smoco (unimodal)")
     g.add_argument("--sampler", choices=SAMPLERS, help="negatives enqueued each step (default active = CM-ACC)")
@@ -97,7 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int, help="linear warm-up iterations")
     g.add_argument("--amp", choices=("none", "bf16", "fp16"), help="autocast dtype")
-    g.add_argument("--no-channels-last", dest="channels_last", action="store_false", default=True)
+    g.add_argument("--no-channels-last", dest="channels_last", action="store_false", default=True,
+                   help="keep the video encoders in NCTHW (default: channels_last_3d)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the backbones")
+    g.add_argument("--no-shuffle-bn", dest="shuffle_bn", action="store_false", default=True,
+                   help="disable MoCo's shuffle-BN in the key encoders (multi-rank runs)")
     g = p.add_argument_group("synthetic data")
     g.add_argument("--clips", type=int, help="number of synthetic clips")
     g.add_argument("--classes", type=int, help="number of synthetic classes")
@@ -149,75 +157,85 @@ def lr_at(step, tcfg):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.config:
+        args = apply_config_file(parser, args, argv)
     try:
         mcfg, tcfg, data = configs_from_args(args)
     except ValueError as e:
-        build_parser().error(str(e))
+        parser.error(str(e))
 
-    # -- distributed setup (torchrun sets WORLD_SIZE/RANK/LOCAL_RANK) ---------------------
-    world_env = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_env > 1:
-        backend = "nccl" if tcfg.device == "cuda" else "gloo"
+    # -- distributed setup (torchrun sets WORLD_SIZE / RANK / LOCAL_RANK) -----------------
+    if tcfg.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is visible; use --device cpu")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if tcfg.device == "cuda":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if tcfg.device == "cuda" else "gloo")
     rank, world = du.rank(), du.world_size()
     if mcfg.batch_size % world:
-        sys.exit(f"error: --batch-size {mcfg.batch_size} (global) does not divide over {world} ranks")
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+        parser.error(f"--batch-size {mcfg.batch_size} (global M) does not divide over {world} "
+                     f"ranks; use a multiple of {world}")
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     device = torch.device("cuda", torch.cuda.current_device()) if tcfg.device == "cuda" else torch.device("cpu")
-    if tcfg.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda but no CUDA device is visible; use --device cpu")
     torch.manual_seed(mcfg.seed)  # identical initial weights on every rank
     out = Path(tcfg.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    # -- data, model, optimiser -----------------------------------------------------------
     loader = build_data(args, mcfg, data, rank, world, views=2 if mcfg.objective == "smoco" else 1)
     model = CMACC(mcfg).to(device)
+    model.shuffle_bn = args.shuffle_bn
     if tcfg.channels_last:
         model.f_v.to(memory_format=torch.channels_last_3d)
         model.h_v.to(memory_format=torch.channels_last_3d)
     opt = torch.optim.Adam(model.query_parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
-    ddp = None
-    if world > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    step_fn = ddp if ddp is not None else model
+    step_fn = model
+    if world > 1:  # gradients of the query encoders all-reduced; buffers are kept in lock-step
+        step_fn = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    if args.compile:
+        model.f_v.backbone = torch.compile(model.f_v.backbone)
+        model.f_a.backbone = torch.compile(model.f_a.backbone)
     amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[tcfg.amp]
     scaler = torch.amp.GradScaler(device.type, enabled=tcfg.amp == "fp16")
-    labels = getattr(getattr(loader, "data", None), "labels", None)
+    labels = getattr(loader, "labels", None)
     labels = labels.to(device) if labels is not None else None
     chash = config_hash(mcfg)
 
-    # -- resume ---------------------------------------------------------------------------
+    # -- resume, or initialise the dictionaries --------------------------------------------
     step, epoch, skip = 0, 0, 0  # skip: batches of the current epoch already trained on
     found = None
     if args.resume == "auto":
         found = ckpt.find_latest_valid(out)
     elif args.resume != "none":
-        found = (Path(args.resume), ckpt.load(args.resume))
+        try:
+            found = (Path(args.resume), ckpt.load(args.resume))
+        except Exception as e:
+            parser.error(f"--resume {args.resume}: cannot load this checkpoint ({e})")
     if found is not None:
         path, state = found
         if state.get("config_hash") != chash:
-            sys.exit(f"error: checkpoint {path} was made with a different model config; "
-                     f"use another --out or --resume none")
+            parser.error(f"checkpoint {path} was made with a different model config; use "
+                         "another --out, or --resume none to start afresh")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         ckpt.set_rng_state(state["rng"])
-        step, epoch = int(state["step"]), int(state["epoch"])
-        skip = int(state["batch_in_epoch"])
+        step, epoch, skip = int(state["step"]), int(state["epoch"]), int(state["batch_in_epoch"])
         log.info("resumed from %s at step %d", path, step)
     elif mcfg.objective == "cross":
         init_dictionaries(model, loader, tcfg.dict_init, device)
+    batch_in_epoch = skip
 
     def save(reason):
         if rank == 0:
             state = dict(model=model.state_dict(), optimizer=opt.state_dict(),
                          scaler=scaler.state_dict(), rng=ckpt.rng_state(), step=step,
-                         epoch=epoch, batch_in_epoch=batch_in_epoch, config_hash=chash, model_config=to_dict(mcfg),
-                         train_config=to_dict(tcfg), data_config=json.loads(json.dumps(data)))
+                         epoch=epoch, batch_in_epoch=batch_in_epoch, config_hash=chash,
+                         model_config=to_dict(mcfg), train_config=to_dict(tcfg),
+                         data_config=json.loads(json.dumps(data)))
             p = ckpt.save_atomic(state, ckpt.checkpoint_path(out, step))
             ckpt.prune(out)
             log.info("checkpoint (%s): %s", reason, p)
@@ -226,8 +244,13 @@ def main(argv=None):
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.update(flag=True))
 
-    metrics = CSVLog(out / "metrics.csv", METRIC_FIELDS) if rank == 0 else None
-    log.info("%s | %s | world %d | M=%d K=%d N=%d | %s | out %s", mcfg.method, device, world,
+    # -- observability ---------------------------------------------------------------------
+    logger = RunLogger(out, enabled=rank == 0, tensorboard=args.tensorboard)
+    timer = SectionTimer(device)
+    model.timer = timer
+    flops_clip = None
+    peak = peak_flops(device)
+    log.info("%s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", mcfg.method, device, world,
              mcfg.batch_size, mcfg.dict_size, mcfg.pool_size, tcfg.amp, out)
     bar = None
     if rank == 0:
@@ -235,117 +258,168 @@ def main(argv=None):
 
         bar = tqdm(total=tcfg.steps, initial=step, desc=mcfg.method, dynamic_ncols=True,
                    disable=not sys.stderr.isatty())
-    acc_sum = torch.zeros(5, device=device)  # loss, acc, diversity, gnorm, fallback
-    n_sum, t0, t_data, history = 0, time.perf_counter(), 0.0, []
-    batch_in_epoch = skip
+    sums = torch.zeros(5, device=device, dtype=torch.float64)  # loss, acc, div, gnorm, fallback
+    n_sum, t0, last_enq = 0, time.perf_counter(), None
+
+    # -- the loop ----------------------------------------------------------------------------
     while step < tcfg.steps and not stop["flag"]:
         if mcfg.pool_mode == "epoch" and mcfg.objective == "cross" and skip == 0:
             fill_epoch_pools(model, loader, device, epoch)  # (restored from the checkpoint
         loader.set_epoch(epoch)                             #  when resuming mid-epoch)
-        td = time.perf_counter()
         batch_in_epoch = 0
+        td = timer.start()
         for batch in loader:
-            t_data += time.perf_counter() - td
             if batch_in_epoch < skip:  # resuming mid-epoch: same data order as uninterrupted
                 batch_in_epoch += 1
                 continue
             if step >= tcfg.steps or stop["flag"]:
                 break
+            timer.stop("data", td)
+            ts = timer.start()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, tcfg)
             video = batch["video"].to(device, non_blocking=True)
             if tcfg.channels_last:
                 video = video.contiguous(memory_format=torch.channels_last_3d)
+            audio, index = batch["audio"].to(device), batch["index"].to(device)
             kw = {}
             if "video2" in batch:
                 kw = dict(video2=batch["video2"].to(device), audio2=batch["audio2"].to(device))
+            if flops_clip is None:
+                flops_clip = model_flops_per_clip(model, video, audio)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                loss, stats = step_fn(video, batch["audio"].to(device), batch["index"].to(device),
-                                      step=step, **kw)
+                loss, stats = step_fn(video, audio, index, step=step, **kw)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
+            timer.stop("step", ts)
             step += 1
             batch_in_epoch += 1
-            div = (category_diversity(stats["enq_index_v"], labels, loader.num_classes)
-                   if labels is not None else torch.zeros((), device=device))
-            acc_sum += torch.stack([loss.detach().float(), stats["acc"].float(), div,
-                                    stats.get("gnorm", torch.zeros((), device=device)).float(),
-                                    stats.get("fallback", torch.zeros((), device=device)).float()])
+            last_enq = stats["enq_index_v"]
+            zero = torch.zeros((), device=device)
+            div = category_diversity(last_enq, labels, loader.num_classes) if labels is not None else zero
+            sums += torch.stack([loss.detach().float(), stats["acc"].float(), div,
+                                 stats.get("gnorm", zero).float(), stats.get("fallback", zero).float()]).double()
             n_sum += 1
             if bar is not None:
                 bar.update(1)
             if step % tcfg.log_every == 0 or step == tcfg.steps:
-                vals = (acc_sum / n_sum).tolist()  # host sync only at log intervals
+                # the only host syncs: metrics, rank agreement, stop agreement
+                if world > 1:
+                    dist.all_reduce(sums)
+                    sums /= world
+                vals = (sums / n_sum).tolist()
                 if not all(math.isfinite(v) for v in vals[:2]):
-                    sys.exit(f"error: non-finite loss at step {step}; the last good checkpoint "
-                             f"in {out} is kept. Lower --lr or use --amp none")
+                    logger.close()
+                    raise SystemExit(f"error: non-finite loss at step {step} (lr {lr_at(step, tcfg):.2e}, "
+                                     f"amp {tcfg.amp}); the last good checkpoint in {out} is kept. "
+                                     "Lower --lr, use --amp none, or resume from it")
+                verify_ranks_agree(model, chash, last_enq, step)
+                stop["flag"] = any_rank(stop["flag"], device)
+                secs = timer.collect()
                 dt = time.perf_counter() - t0
-                row = dict(step=step, epoch=epoch, loss=vals[0], acc=vals[1],
-                           lr=opt.param_groups[0]["lr"], clips_per_s=n_sum * mcfg.batch_size / dt / world,
-                           diversity=vals[2] if labels is not None else float("nan"),
-                           gnorm=vals[3], active=float(stats.get("active", 0.0)),
-                           fallback=vals[4], t_data=t_data / n_sum, t_step=dt / n_sum)
-                history.append(row)
-                if metrics is not None:
-                    metrics.write(row)
-                log.info("step %6d | loss %.4f | acc %.3f | div %.3f | gnorm %.3g | lr %.2e | %.1f clips/s/rank",
-                         step, row["loss"], row["acc"], row["diversity"], row["gnorm"], row["lr"],
-                         row["clips_per_s"])
-                acc_sum.zero_()
-                n_sum, t0, t_data = 0, time.perf_counter(), 0.0
+                clips_s = n_sum * mcfg.batch_size / dt / world
+                row = dict(step=step, epoch=epoch, loss=vals[0], acc=vals[1], lr=opt.param_groups[0]["lr"],
+                           clips_per_s=clips_s, diversity=vals[2] if labels is not None else float("nan"),
+                           gnorm=vals[3], active=float(stats.get("active", 0.0)), fallback=vals[4],
+                           t_data=secs.get("data", 0.0) / n_sum, t_step=secs.get("step", 0.0) / n_sum,
+                           t_select=secs.get("select", 0.0) / n_sum,
+                           mfu=(flops_clip * clips_s / peak) if (peak and flops_clip) else float("nan"),
+                           mem_gb=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else float("nan"))
+                logger.write(row)
+                sums.zero_()
+                n_sum, t0 = 0, time.perf_counter()
             if args.ckpt_every and step % args.ckpt_every == 0:
                 save("interval")
-            td = time.perf_counter()
+            td = timer.start()
         else:
             epoch, skip = epoch + 1, 0
+        if world > 1:  # a signal seen between log intervals: agree before leaving the epoch
+            stop["flag"] = any_rank(stop["flag"], device)
     if bar is not None:
         bar.close()
     save("stop signal" if stop["flag"] else "end")
+    logger.close()
     if rank == 0:
-        summary = summarise(history, mcfg, tcfg, out)
+        summary = summarise(logger.history, mcfg, out)
         print(json.dumps(summary, indent=2))
     if world > 1:
         dist.destroy_process_group()
     return 0
 
 
-@torch.no_grad()
-def encode_random_clips(model, loader, n, device, seed):
-    """Key-encoder outputs for n random clips (with replacement when the dataset is small)."""
-    ks_v, ks_a, idx = [], [], []
-    g = torch.Generator().manual_seed(seed)
-    while sum(x.shape[0] for x in idx) < n:
-        loader.set_epoch(10_000 + int(torch.randint(0, 1 << 30, (1,), generator=g)))
-        for batch in loader:
-            kv, ka = model.encode_clips(batch["video"].to(device), batch["audio"].to(device))
-            ks_v.append(du.gather_cat(kv))
-            ks_a.append(du.gather_cat(ka))
-            idx.append(du.gather_cat(batch["index"].to(device)))
-            if sum(x.shape[0] for x in idx) >= n:
-                break
-    return torch.cat(ks_v)[:n], torch.cat(ks_a)[:n], torch.cat(idx)[:n]
+def apply_config_file(parser, args, argv):
+    """--config FILE (JSON of flag names → values); flags given on the command line win."""
+    try:
+        values = json.loads(Path(args.config).read_text())
+    except (OSError, ValueError) as e:
+        parser.error(f"--config {args.config}: cannot read JSON ({e})")
+    known = {a.dest for a in parser._actions}
+    bad = sorted(k for k in (kk.replace("-", "_") for kk in values) if k not in known)
+    if bad:
+        parser.error(f"--config {args.config}: unknown keys {bad}; use the long flag names of --help")
+    parser.set_defaults(**{k.replace("-", "_"): v for k, v in values.items()})
+    return parser.parse_args(argv)
 
 
-def init_dictionaries(model, loader, how, device):
-    """Paper Alg. 1 lines 3-4: D_v, D_a ← key encodings of K random clips."""
-    if how == "random":
-        return
-    kv, ka, idx = encode_random_clips(model, loader, model.cfg.dict_size, device, model.cfg.seed)
-    model.dict_v.fill(kv, idx)
-    model.dict_a.fill(ka, idx)
+def model_flops_per_clip(model, video, audio) -> float:
+    """Training FLOPs per clip: 3x the query encoders' forward (forward + backward) plus the
+    key encoders' forward, counted on one clip with copies of the encoders."""
+    import copy
+
+    fv, fa = copy.deepcopy(model.f_v), copy.deepcopy(model.f_a)
+    with torch.no_grad():
+        fwd = flops_of(lambda: fv(video[:1])) + flops_of(lambda: fa(audio[:1]))
+    return 4.0 * fwd
 
 
-def fill_epoch_pools(model, loader, device, epoch):
-    """Paper Alg. 1 lines 6-7: U_v, U_a ← key encodings of N random clips, each epoch."""
-    kv, ka, idx = encode_random_clips(model, loader, model.cfg.pool_size, device,
-                                      model.cfg.seed * 31 + epoch + 1)
-    model.pool_v.fill(kv, idx)
-    model.pool_a.fill(ka, idx)
+def flops_of(fn) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return float(counter.get_total_flops())
 
 
-def summarise(history, mcfg, tcfg, out):
+class RunLogger:
+    """Rank-0 metrics: a log line, a CSV row, TensorBoard scalars (optional), history."""
+
+    def __init__(self, out, enabled, tensorboard):
+        self.enabled, self.history, self.tb = enabled, [], None
+        self.csv = CSVLog(Path(out) / "metrics.csv", METRIC_FIELDS) if enabled else None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(out) / "tb"))
+            except Exception as e:  # tensorboard is optional
+                log.warning("TensorBoard disabled (%s); pip install tensorboard", e)
+
+    def write(self, row):
+        if not self.enabled:
+            return
+        self.history.append(row)
+        self.csv.write(row)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, row["step"])
+        log.info("step %6d | loss %.4f | acc %.3f | div %.3f | gnorm %.3g | lr %.2e | "
+                 "%.1f clips/s/rank | data %.1f ms, step %.1f ms, select %.2f ms | mfu %.3g",
+                 row["step"], row["loss"], row["acc"], row["diversity"], row["gnorm"], row["lr"],
+                 row["clips_per_s"], 1e3 * row["t_data"], 1e3 * row["t_step"],
+                 1e3 * row["t_select"], row["mfu"])
+
+    def close(self):
+        if self.csv is not None:
+            self.csv.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def summarise(history, mcfg, out):
     if not history:
         return {}
     w = max(1, len(history) // 4)

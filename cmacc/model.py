@@ -64,6 +64,8 @@ class CMACC(nn.Module):
         self.dict_a = KeyQueue(cfg.dict_size, cfg.dim)  # D_a: audio keys
         self.pool_v = KeyPool(cfg.pool_size, cfg.dim)  # U_v
         self.pool_a = KeyPool(cfg.pool_size, cfg.dim)  # U_a
+        self.shuffle_bn = True  # MoCo's shuffle-BN in the key encoders (world size > 1)
+        self.timer = None  # optional engine.SectionTimer: times the active selection
 
     @property
     def cross_fcl(self) -> bool:
@@ -85,6 +87,8 @@ class CMACC(nn.Module):
     @torch.no_grad()
     def encode_keys(self, encoder: Encoder, x: torch.Tensor) -> torch.Tensor:
         """Key encoder forward with shuffle-BN across ranks. [B, ...] → [B, d]."""
+        if not self.shuffle_bn:
+            return encoder(x)[0]
         xs, unshuffle = du.batch_shuffle(x)
         k, _ = encoder(xs)
         return du.batch_unshuffle(k, unshuffle)
@@ -112,10 +116,13 @@ class CMACC(nn.Module):
             q_v_all, h_v_all = du.gather_cat(q_v.detach()), du.gather_cat(h_v.detach().float())
             q_a_all, h_a_all = du.gather_cat(q_a.detach()), du.gather_cat(h_a.detach().float())
             m = index_all.shape[0]
+            t0 = self.timer.start() if self.timer else None
             sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
             sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
             self.dict_v.enqueue(sel_v.keys, sel_v.index)
             self.dict_a.enqueue(sel_a.keys, sel_a.index)
+            if self.timer:
+                self.timer.stop("select", t0)
             stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2
             stats["fallback"] = torch.maximum(sel_v.fallback, sel_a.fallback)
             stats["enq_index_v"], stats["enq_index_a"] = sel_v.index, sel_a.index

@@ -92,7 +92,7 @@ class ToyLoader:
         self.data, self.batch_size, self.seed = data, batch_size, seed
         self.rank, self.world, self.views, self.epoch = rank, world, views, 0
         self.num_clips, self.num_classes = len(data), data.num_classes
-        self.class_names = data.class_names
+        self.class_names, self.labels = data.class_names, data.labels
 
     def __len__(self):
         return len(self.data) // self.batch_size

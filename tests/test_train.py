@@ -61,3 +61,23 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys, argv, msg):
         train.main(TINY + argv + ["--out", str(tmp_path)])
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_config_file_and_flag_precedence(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"sampler": "ohem", "steps": 4, "log-every": 2}))
+    out = tmp_path / "run"
+    train.main(TINY + ["--config", str(cfg), "--steps", "6", "--out", str(out)])
+    state = ckpt.load(out / "ckpt_00000006.pt")  # the flag (6) beat the file (4)
+    assert state["model_config"]["sampler"] == "ohem"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"samplr": "ohem"}))
+    with pytest.raises(SystemExit):
+        train.main(TINY + ["--config", str(bad), "--out", str(out)])
+
+
+def test_bf16_autocast_channels_last_run_is_finite(tmp_path):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "3", "--log-every", "1", "--amp", "bf16", "--out", str(out)])
+    rows = _rows(out)
+    assert all(float(r["loss"]) == float(r["loss"]) for r in rows)  # not NaN
