@@ -246,3 +246,13 @@ def test_smoco_needs_second_view_and_runs():
 def test_config_rejects_bad_values(kw, msg):
     with pytest.raises(ValueError, match=msg):
         tiny_cfg(**kw)
+
+
+def test_category_diversity_equals_hand_count():
+    from cmacc.metrics import category_diversity
+
+    labels = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4])  # dataset index -> class (5 classes)
+    index = torch.tensor([0, 1, 4, -1, 3, 1])  # classes {0, 2} (+ a no-clip entry)
+    assert category_diversity(index, labels, 5).item() == pytest.approx(2 / 5)
+    assert category_diversity(torch.tensor([-1, -1]), labels, 5).item() == 0.0
+    assert category_diversity(torch.arange(8), labels, 5).item() == 1.0
