@@ -57,7 +57,7 @@ PRESETS = {
                             video_layers=(1, 1, 1, 1), audio_width=8, audio_layers=(1, 1, 1, 1),
                             fcl_dim=64, dim=32, momentum=0.99),
                  train=dict(lr=1e-3, warmup=10, amp="none", steps=200, log_every=10),
-                 data=dict(frames=8, size=32, clips=256, classes=8)),
+                 data=dict(frames=8, size=32, clips=256, classes=8, noise=1.0)),
 }
 METRIC_FIELDS = ["step", "epoch", "loss", "acc", "lr", "clips_per_s", "diversity", "gnorm",
                  "active", "fallback", "t_data", "t_step", "t_select", "mfu", "mem_gb"]
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clips", type=int, help="number of synthetic clips")
     g.add_argument("--classes", type=int, help="number of synthetic classes")
     g.add_argument("--redundancy", type=float, default=0.0, help="near-duplicate fraction in [0,1)")
+    g.add_argument("--noise", type=float, help="pixel / mel noise level (tiny preset: 1.0)")
     return p
 
 
@@ -129,7 +130,7 @@ def configs_from_args(args):
     tk["out"] = args.out or f"runs/{args.preset}"
     tk["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     data = dict(preset["data"])
-    for name in ("clips", "classes"):
+    for name in ("clips", "classes", "noise"):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
     data["redundancy"] = args.redundancy
@@ -148,7 +149,7 @@ def build_data(args, mcfg, data, rank, world, views):
 
     toy = ToyAV(num_clips=data.get("clips", 1024), num_classes=data.get("classes", 10),
                 frames=data["frames"], size=data["size"], redundancy=data["redundancy"],
-                seed=mcfg.seed)
+                noise=data.get("noise", 0.3), seed=mcfg.seed)
     return ToyLoader(toy, mcfg.batch_size, seed=mcfg.seed, rank=rank, world=world, views=views)
 
 

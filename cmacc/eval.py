@@ -58,7 +58,8 @@ class ToySplits:
         self.data = ToyAV(num_clips=data_config.get("clips", 1024),
                           num_classes=data_config.get("classes", 10),
                           frames=data_config["frames"], size=data_config["size"],
-                          redundancy=data_config.get("redundancy", 0.0), seed=seed)
+                          redundancy=data_config.get("redundancy", 0.0),
+                          noise=data_config.get("noise", 0.3), seed=seed)
         self.num_classes = self.data.num_classes
         inst = torch.arange(len(self.data)) // self.num_classes
         self.test_mask = inst % 4 == 3

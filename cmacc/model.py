@@ -40,14 +40,17 @@ def contrastive_loss(q, k_pos, negatives, tau):
 
 
 class CMACC(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backbones: tuple[nn.Module, nn.Module] | None = None):
+        """``backbones`` (optional) replaces the video and audio backbones by any two modules
+        with an ``out_dim`` attribute (e.g. the image CNNs of the mutual-information study)."""
         super().__init__()
         self.cfg = cfg
         fcl = cfg.fcl_dim if cfg.fcl else None
-        self.f_v = Encoder(video_backbone(cfg.video_arch, cfg.video_width, cfg.video_layers),
-                           cfg.dim, fcl)
-        self.f_a = Encoder(AudioResNet1d(cfg.n_mels, cfg.audio_width, cfg.audio_layers),
-                           cfg.dim, fcl)
+        if backbones is None:
+            backbones = (video_backbone(cfg.video_arch, cfg.video_width, cfg.video_layers),
+                         AudioResNet1d(cfg.n_mels, cfg.audio_width, cfg.audio_layers))
+        self.f_v = Encoder(backbones[0], cfg.dim, fcl)  # modality "v" (video, or x)
+        self.f_a = Encoder(backbones[1], cfg.dim, fcl)  # modality "a" (audio, or y)
         self.h_v = key_copy(self.f_v)
         self.h_a = key_copy(self.f_a)
         if self.cross_fcl:

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import train
 from cmacc import eval as ev
 from cmacc.probe import linear_probe
 
@@ -43,14 +42,6 @@ def test_toy_split_is_disjoint_and_class_balanced():
     assert not set(tr.tolist()) & set(te.tolist())
     assert sorted(tr.tolist() + te.tolist()) == list(range(96))
     assert torch.bincount(ds.data.labels[te], minlength=6).tolist() == [4] * 6
-
-
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    train.main(["--preset", "tiny", "--clips", "96", "--classes", "6", "--steps", "6",
-                "--log-every", "3", "--out", str(out)])
-    return out
 
 
 def test_eval_cli_linear_writes_results(tiny_run, capsys):

@@ -1,0 +1,248 @@
+"""The mutual-information study (paper appendix; Ozair et al. 2019, Spatial-MultiOmniglot).
+
+A pair (x, y) shows the same l characters in a grid of 32x32 cells; in y each character is
+drawn by another person. Position i draws its character from the i-th alphabet (l_i
+characters), so I(x; y) = sum_i log l_i grows with the number of characters l. SMoCo (x vs an
+augmented x), XMoCo and CM-ACC (x vs y) are trained with a small CNN for l = 1..9 and judged by
+a linear probe of the character at every position from the frozen x-encoder (mean accuracy).
+
+    python -m cmacc.mi --omniglot ROOT --out runs/mi [--chars 1 2 4 9] [--steps 300]
+
+ROOT is the folder that holds ``omniglot-py/images_background`` (torchvision's layout;
+``torchvision.datasets.Omniglot(ROOT, download=False)`` must load it). ``--make-glyphs DIR``
+writes a small generated stand-in in that layout (for trying the command without Omniglot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .model import CMACC
+from .probe import linear_probe
+
+CELL = 32
+METHODS = {"SMoCo": dict(objective="smoco", sampler="random"),
+           "XMoCo": dict(objective="cross", sampler="random"),
+           "CM-ACC": dict(objective="cross", sampler="active")}
+
+
+class Glyphs:
+    """Omniglot character images as [n_drawers, 32, 32] tensors per (alphabet, character)."""
+
+    def __init__(self, root, max_alphabets=9, max_chars=20):
+        # torchvision's Omniglot layout, read directly (torchvision's own class also insists on
+        # the downloaded zip files being present, which a copied folder may lack)
+        base = Path(root) / "omniglot-py" / "images_background"
+        if not base.is_dir():
+            raise FileNotFoundError(
+                f"{root}: no Omniglot in torchvision's layout; expected "
+                f"{base}/<alphabet>/<character>/*.png (torchvision.datasets.Omniglot(ROOT, "
+                "download=True) writes it)")
+        self.alphabets = []  # per alphabet: list of [drawers, 32, 32] tensors
+        for a in sorted(p for p in base.iterdir() if p.is_dir())[:max_alphabets]:
+            chars = []
+            for ch in sorted(p for p in a.iterdir() if p.is_dir())[:max_chars]:
+                files = sorted(ch.glob("*.png"))
+                if len(files) < 2:
+                    raise FileNotFoundError(f"{ch}: needs >= 2 drawings (.png) per character")
+                chars.append(torch.stack([self._load(f) for f in files]))
+            if chars:
+                self.alphabets.append(chars)
+        if not self.alphabets:
+            raise FileNotFoundError(f"{base}: no alphabet folders with characters")
+
+    @staticmethod
+    def _load(path):
+        from PIL import Image
+
+        img = Image.open(path).convert("L").resize((CELL, CELL), Image.BILINEAR)
+        t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).float()
+        return 1.0 - t.view(CELL, CELL) / 255.0  # ink = 1
+
+
+class MultiOmniglotPairs:
+    """n pairs (x, y, per-position character labels) for l characters in a near-square grid."""
+
+    def __init__(self, glyphs: Glyphs, n_chars: int, n: int, *, seed: int, drawers: slice):
+        if n_chars > len(glyphs.alphabets):
+            raise ValueError(f"{n_chars} characters need {n_chars} alphabets; the Omniglot "
+                             f"folder has {len(glyphs.alphabets)}")
+        rows = math.ceil(math.sqrt(n_chars))
+        cols = math.ceil(n_chars / rows)
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.stack([torch.randint(0, len(glyphs.alphabets[i]), (n,), generator=g)
+                                   for i in range(n_chars)], 1)  # [n, l]
+        self.sizes = [len(glyphs.alphabets[i]) for i in range(n_chars)]
+        self.x = torch.zeros(n, 1, rows * CELL, cols * CELL)
+        self.y = torch.zeros_like(self.x)
+        for i in range(n_chars):
+            r, c = divmod(i, cols)
+            for j in range(n):
+                imgs = glyphs.alphabets[i][int(self.labels[j, i])][drawers]
+                d = torch.randperm(imgs.shape[0], generator=g)[:2]  # two different people
+                self.x[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs[d[0]]
+                self.y[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs[d[-1]]
+
+    @property
+    def mutual_information(self) -> float:
+        return float(sum(math.log(s) for s in self.sizes))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        layers, c = [], 1
+        for w in (width, 2 * width, 4 * width, 4 * width):
+            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w),
+                       nn.ReLU(inplace=True)]
+            c = w
+        self.net = nn.Sequential(*layers)
+        self.out_dim = c
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(self.net(x), 1).flatten(1)
+
+
+def _augment(x, g):
+    """Random translation by up to 2 px and pixel noise (SMoCo's second view)."""
+    dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=g))
+    return x.roll((dy, dx), (-2, -1)) + 0.05 * torch.randn(x.shape, generator=g)
+
+
+def train_one(method: str, train: MultiOmniglotPairs, *, steps, batch, seed, width=32):
+    torch.manual_seed(seed)
+    k = 4 * batch
+    cfg = ModelConfig(**METHODS[method], batch_size=batch, dict_size=k, pool_size=3 * k + batch,
+                      dim=64, fcl=False, momentum=0.99, seed=seed)
+    model = CMACC(cfg, backbones=(SmallCNN(width), SmallCNN(width)))
+    opt = torch.optim.Adam(model.query_parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+    n = train.x.shape[0]
+    for step in range(steps):
+        idx = torch.randperm(n, generator=g)[:batch]
+        x, y = train.x[idx], train.y[idx]
+        kw = {}
+        if method == "SMoCo":  # unimodal: x vs augmented x (y vs augmented y)
+            kw = dict(video2=_augment(x, g), audio2=_augment(y, g))
+        loss, _ = model(x, y, idx, step=step, **kw)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model
+
+
+@torch.no_grad()
+def probe_accuracy(model, train: MultiOmniglotPairs, test: MultiOmniglotPairs) -> float:
+    bb = model.f_v.backbone.eval()
+    ftr = torch.cat([bb(train.x[s:s + 256]) for s in range(0, len(train.x), 256)])
+    fte = torch.cat([bb(test.x[s:s + 256]) for s in range(0, len(test.x), 256)])
+    accs = [linear_probe(ftr, train.labels[:, i], fte, test.labels[:, i],
+                         num_classes=train.sizes[i])["top1"] for i in range(len(train.sizes))]
+    return sum(accs) / len(accs)
+
+
+def run(root, out, chars=(1, 2, 4, 9), steps=300, batch=32, n_train=2000, n_test=500, seed=0,
+        methods=tuple(METHODS)) -> dict:
+    glyphs = Glyphs(root)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"chars": list(chars), "mi": [], **{m: [] for m in methods}}
+    for l in chars:
+        # drawers 0..13 make the training pairs, 14..19 the test pairs (unseen handwriting)
+        tr = MultiOmniglotPairs(glyphs, l, n_train, seed=seed + l, drawers=slice(0, 14))
+        te = MultiOmniglotPairs(glyphs, l, n_test, seed=seed + 100 + l, drawers=slice(14, None))
+        results["mi"].append(tr.mutual_information)
+        for m in methods:
+            model = train_one(m, tr, steps=steps, batch=batch, seed=seed)
+            acc = probe_accuracy(model, tr, te)
+            results[m].append(acc)
+            print(f"l={l} (MI {tr.mutual_information:.2f} nats) {m}: probe accuracy {acc:.3f}",
+                  flush=True)
+    tmp = out / ".mi.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2))
+    os.replace(tmp, out / "mi.json")
+    _plot(results, methods, out / "mi.png")
+    return results
+
+
+def _plot(results, methods, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for m in methods:
+        ax.plot(results["chars"], results[m], marker="o", label=m)
+    ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
+    ax.set_ylabel("linear-probe character accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def make_glyphs(root, alphabets=9, chars=8, drawers=20, seed=0) -> Path:
+    """A generated stand-in for Omniglot in torchvision's layout: each character is a fixed
+    random set of strokes; each drawer jitters them."""
+    from PIL import Image, ImageDraw
+
+    g = torch.Generator().manual_seed(seed)
+    base = Path(root) / "omniglot-py" / "images_background"
+    for a in range(alphabets):
+        for c in range(chars):
+            folder = base / f"Alphabet_{a:02d}" / f"character{c + 1:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            strokes = torch.rand(3, 4, generator=g) * 80 + 12
+            for d in range(drawers):
+                img = Image.new("L", (105, 105), 255)
+                draw = ImageDraw.Draw(img)
+                for s in strokes:
+                    j = (s + torch.randn(4, generator=g) * 3).tolist()
+                    draw.line(j, fill=0, width=6)
+                img.save(folder / f"{a:02d}{c:02d}_{d + 1:02d}.png")
+    return Path(root)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--omniglot", help="folder holding omniglot-py/images_background")
+    p.add_argument("--make-glyphs", metavar="DIR", help="write generated glyphs there and use them")
+    p.add_argument("--out", default="runs/mi")
+    p.add_argument("--chars", type=int, nargs="+", default=[1, 2, 4, 9])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--train-pairs", type=int, default=2000)
+    p.add_argument("--test-pairs", type=int, default=500)
+    args = p.parse_args(argv)
+    if args.make_glyphs:
+        root = make_glyphs(args.make_glyphs, alphabets=max(args.chars))
+    elif args.omniglot:
+        root = args.omniglot
+    else:
+        p.error("pass --omniglot ROOT (torchvision layout) or --make-glyphs DIR")
+    if max(args.chars) > 9 or min(args.chars) < 1:
+        p.error("--chars must be between 1 and 9")
+    try:
+        res = run(root, args.out, tuple(args.chars), args.steps, args.batch, args.train_pairs,
+                  args.test_pairs)
+    except (FileNotFoundError, ValueError) as e:
+        p.error(str(e))
+    print(f"plot: {Path(args.out) / 'mi.png'}  results: {Path(args.out) / 'mi.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
