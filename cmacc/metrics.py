@@ -46,7 +46,7 @@ def read_csv(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diversity")) -> Path:
+def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diversity", "gnorm")) -> Path:
     """One panel per metric, one line per run (label → metrics.csv). Returns the PNG path."""
     import matplotlib
 
