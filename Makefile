@@ -21,9 +21,9 @@ test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
 bench: install
-	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only
-	$(PY) bench/bench_grad_embed.py
-	$(PY) bench/bench_kmeanspp.py
+	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,max,rounds
+	$(PY) bench/bench_grad_embed.py --sizes 4096 38400
+	$(PY) bench/bench_kmeanspp.py --sizes 4096 38400
 
 clean:
 	rm -rf runs/demo .pytest_cache

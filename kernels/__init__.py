@@ -5,7 +5,9 @@
     CMACC_KERNELS=reference  always the PyTorch reference (kernels/reference.py)
     CMACC_KERNELS=triton     always Triton (on CPU tensors only under TRITON_INTERPRET=1)
 
-Nothing here touches CUDA or compiles anything at import time.
+Nothing here touches CUDA or compiles anything at import time. Triton decides between the
+interpreter and compilation when the kernels are defined (at ``import kernels``): set
+TRITON_INTERPRET=1 before that import to run them on CPU tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import os
 import torch
 
 from . import reference
+
+try:  # the Triton ops (compiled lazily at first launch; nothing touches CUDA here)
+    from .grad_embed import grad_embed_triton, grad_embed_triton_with_norms
+    from .kmeanspp import kmeanspp_triton
+except ImportError:  # pragma: no cover - triton missing: the reference still works
+    grad_embed_triton = grad_embed_triton_with_norms = kmeanspp_triton = None
 
 __all__ = ["grad_embed", "kmeanspp", "select", "backend_for"]
 
@@ -40,18 +48,12 @@ def backend_for(t: torch.Tensor) -> str:
 
 
 def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    return kmeanspp_triton is not None
 
 
 def grad_embed(keys, queries, feats=None, *, tau=1.0, view="head", compress=False):
     """(alpha, beta) fp32 with g_n = alpha_n (x) beta_n; see kernels.reference.grad_embed."""
     if backend_for(keys) == "triton":
-        from .grad_embed import grad_embed_triton
-
         return grad_embed_triton(keys, queries, feats, tau=tau, view=view, compress=compress)
     return reference.grad_embed(keys, queries, feats, tau=tau, view=view, compress=compress)
 
@@ -59,8 +61,6 @@ def grad_embed(keys, queries, feats=None, *, tau=1.0, view="head", compress=Fals
 def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True):
     """k distinct indices by k-means++ seeding over alpha (x) beta; see kernels.reference.kmeanspp."""
     if backend_for(alpha) == "triton":
-        from .kmeanspp import kmeanspp_triton
-
         return kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)
     return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)
 
@@ -68,5 +68,10 @@ def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True):
 def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None, validate=True):
     """One dictionary's active selection: grad_embed (row-space compressed in the `head` view)
     followed by k-means++ seeding. Returns long [k] indices into ``keys``."""
-    alpha, beta = grad_embed(keys, queries, feats, tau=tau, view=view, compress=True)
-    return kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)
+    if backend_for(keys) == "triton":  # fused: grad_embed also emits |g_n|^2 for k-means++
+        alpha, beta, sqn = grad_embed_triton_with_norms(keys, queries, feats, tau=tau, view=view,
+                                                        compress=True)
+        return kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                               sqn=sqn)
+    alpha, beta = reference.grad_embed(keys, queries, feats, tau=tau, view=view, compress=True)
+    return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)

@@ -1,6 +1,14 @@
-"""Shared fixtures. Tests run on CPU; torch uses both cores."""
+"""Shared fixtures. Without a GPU, Triton kernels run in the Triton interpreter: the variable
+must be set before any @triton.jit function is defined (at import of kernels.grad_embed /
+kernels.kmeanspp), hence here."""
+
+import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import train
 
