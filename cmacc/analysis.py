@@ -46,12 +46,11 @@ def pretrain(run_dir, sampler, steps, *, data="synthetic", extra=()) -> dict:
     train.main(["--preset", "tiny", "--sampler", sampler, "--steps", str(steps), "--data", data,
                 "--out", str(run_dir), "--resume", "auto", "--log-every", "10", *extra])
     summary = json.loads((run_dir / "summary.json").read_text())
-    if data == "synthetic":
-        model, state = load_pretrained(run_dir)
-        for modality in ("video", "audio"):  # held-out synthetic instances
-            res = evaluate(model, state, "synthetic", modality=modality, protocol="linear")
-            write_results(res, run_dir / "eval")
-            summary[f"probe_{modality}"] = res["top1_mean"]
+    model, state = load_pretrained(run_dir)
+    for modality in ("video", "audio"):  # linear probes on the held-out clips
+        res = evaluate(model, state, data, modality=modality, protocol="linear")
+        write_results(res, run_dir / "eval")
+        summary[f"probe_{modality}"] = res["top1_mean"]
     return summary
 
 

@@ -81,7 +81,9 @@ class ToySplits:
 
 
 def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu", clips=1,
-             epochs=10, lr=1e-3, batch_size=64):
+             epochs=10, lr=1e-3, batch_size=64, frames=None):
+    """Top-1 per split and mean. ``frames``: clip length for prepared datasets (default: the
+    pretraining clip length; the paper fine-tunes on 32-frame clips: --frames 32)."""
     enc = model.f_v if modality == "video" else model.f_a
     key = "video" if modality == "video" else "audio"
     if data == "synthetic":
@@ -89,7 +91,9 @@ def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu
     else:
         import data_dali  # prepared datasets
 
-        ds = data_dali.EvalSplits(data, modality=modality)
+        dc = state["data_config"]
+        ds = data_dali.EvalSplits(data, modality=modality, clip_frames=frames or dc["frames"],
+                                  crop=dc["size"], seed=state["model_config"]["seed"])
     results = []
     for name, tr, te in ds.splits(splits):
         backbone = _fresh_copy(enc.backbone).to(device)
@@ -142,6 +146,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
     p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--frames", type=int, default=None,
+                   help="clip length on prepared data (default: pretraining length; paper fine-tunes with 32)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--out", default=None, help="results folder (default: <run>/eval)")
     args = p.parse_args(argv)
@@ -154,7 +160,7 @@ def main(argv=None):
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = evaluate(model, state, args.data, modality=args.modality, protocol=args.protocol,
                    splits=args.splits, device=device, clips=args.clips, epochs=args.epochs,
-                   lr=args.lr, batch_size=args.batch_size)
+                   lr=args.lr, batch_size=args.batch_size, frames=args.frames)
     run = Path(args.checkpoint)
     out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "eval"
     js, md = write_results(res, out)

@@ -1,0 +1,205 @@
+"""data_dali: prepare on generated files incl. broken ones (manifest and rejects exactly as
+expected, re-run a no-op), the DALI CPU pipeline against the PyAV reference loader, audio/video
+alignment, sharding, manifest safety, official split bookkeeping."""
+
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import data_dali
+from data_dali import prepare as prep
+from data_dali import synthetic
+from data_dali.audio import MEL_FPS
+from data_dali.manifest import Manifest
+from data_dali.reference import ClipDataset
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    src = tmp_path_factory.mktemp("src")
+    truth = synthetic.write_broken(src / "cls")
+    out = tmp_path_factory.mktemp("prepared")
+    summary = prep.prepare(src, out, workers=2, progress=False)
+    return src, out, truth, summary
+
+
+def test_prepare_keeps_handles_and_rejects_as_expected(broken):
+    src, out, truth, summary = broken
+    rejects = {r["file"].split("/")[-1]: r["reason"] for r in _csv(out / "rejects.csv")}
+    assert set(rejects) == {"truncated.mp4", "zero.mp4", "not_a_video.mp4", "too_short.mp4",
+                            "audio_only.mp4"}
+    assert rejects["zero.mp4"] == "zero-size file"
+    assert rejects["audio_only.mp4"] == "no video stream"
+    assert rejects["too_short.mp4"].startswith("too short")
+    assert rejects["truncated.mp4"].startswith("unreadable or corrupt")
+    rows = {r["source"].split("/")[-1]: r for r in _csv(out / "manifest.csv")}
+    assert set(rows) == {"ok.mp4", "no_audio.mp4", "silent.mp4", "surround.mp4", "vertical.mp4"}
+    assert rows["no_audio.mp4"]["audio_present"] == "0" and rows["no_audio.mp4"]["mel"] == ""
+    assert rows["silent.mp4"]["silent"] == "1" and rows["ok.mp4"]["silent"] == "0"
+    assert rows["surround.mp4"]["audio_present"] == "1"  # 5.1 downmixed to mono
+    v = rows["vertical.mp4"]
+    assert int(v["width"]) == 128 and int(v["height"]) > 128 and int(v["height"]) % 2 == 0
+    for r in rows.values():
+        assert float(r["fps"]) == 10.0 and int(r["frames"]) == 30  # 3 s at 10 fps
+    assert summary["rejects_by_reason"]["zero-size file"] == 1
+    assert summary["flagged"]["silent audio (kept; flagged)"] == 1
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]  # no half-written files
+
+
+def test_prepare_rerun_is_a_noop(broken):
+    src, out, truth, _ = broken
+    files = [p for p in out.rglob("*") if p.is_file()]
+    before = {p: p.stat().st_mtime_ns for p in files}
+    summary = prep.prepare(src, out, workers=1, progress=False)
+    assert summary["skipped_done"] == summary["files"] == 10
+    after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_prepared_audio_is_16k_mono_and_mel_has_100_fps(broken):
+    import soundfile as sf
+
+    _, out, _, _ = broken
+    m = Manifest(out / "manifest.csv")
+    i = [k for k, r in enumerate(m.rows) if r["source"].endswith("ok.mp4")][0]
+    wave, sr = sf.read(m.path(m.rows[i]["audio"]))
+    assert sr == 16_000 and wave.ndim == 1
+    mel = m.mel(i)
+    assert mel.shape[0] == 80  # 3 s at 100 frames/s (+ AAC pads up to 2 frames of 1024 at the end)
+    assert 3.0 * MEL_FPS <= mel.shape[1] <= 3.0 * MEL_FPS + 1 + 2048 // 160
+
+
+def test_dali_cpu_pipeline_matches_reference_loader(broken):
+    pytest.importorskip("nvidia.dali")
+    _, out, _, _ = broken
+    kw = dict(batch_size=2, clip_frames=8, crop=64, num_workers=0, seed=3)
+    dali = data_dali.build_loader(out / "manifest.csv", backend="dali", **kw)
+    ref = data_dali.build_loader(out / "manifest.csv", backend="reference", **kw)
+    assert dali.backend == "dali"
+    n = 0
+    for bd, br in zip(dali, ref):
+        assert torch.equal(bd["index"], br["index"]) and torch.equal(bd["label"], br["label"])
+        assert bd["video"].shape == br["video"].shape == (2, 3, 8, 64, 64)
+        diff = (bd["video"] - br["video"]).abs()
+        assert diff.mean() < 0.05 and diff.max() < 0.5  # resampling arithmetic only
+        torch.testing.assert_close(bd["audio"], br["audio"])
+        n += 1
+    assert n == len(dali) == 2
+
+
+@pytest.fixture(scope="module")
+def click_manifest(tmp_path_factory):
+    src = tmp_path_factory.mktemp("clicks")
+    synthetic.write_click_clip(src / "c" / "clicks.mp4", click_frames=[5, 17, 29], seconds=4.0)
+    out = tmp_path_factory.mktemp("clicks_out")
+    prep.prepare(src, out, workers=1, progress=False)
+    return out / "manifest.csv"
+
+
+@pytest.mark.parametrize("backend", ["reference", "dali"])
+def test_audio_is_aligned_with_the_sampled_frames(click_manifest, backend):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    m = Manifest(click_manifest)
+    full = m.mel(0)
+    for epoch in range(6):  # random starts
+        loader = data_dali.build_loader(m, batch_size=1, clip_frames=10, crop=32, seed=epoch,
+                                        backend=backend, num_workers=0)
+        loader.set_epoch(epoch)
+        batch = next(iter(loader))
+        ds = ClipDataset(m, [0], clip_frames=10, crop=32, seed=epoch)
+        ds.epoch = epoch
+        start = ds[0]["start"]
+        seg = batch["audio"][0].numpy()  # [80, 100]
+        assert seg.shape == (80, 100)
+        np.testing.assert_allclose(seg, full[:, start * 10:start * 10 + 100], rtol=0, atol=1e-5)
+        energy = seg.max(0)
+        for k in (5, 17, 29):  # a click on frame k sits at mel frame 10 * (k - start)
+            if start <= k < start + 10 - 1:
+                j = 10 * (k - start)
+                assert energy[j:j + 3].max() > energy.mean() + 3
+
+
+def test_two_shards_cover_the_epoch_once_disjointly(broken):
+    _, out, _, _ = broken
+    m = Manifest(out / "manifest.csv")
+    usable = m.select(need_video=True, need_audio=False)
+    shards = [data_dali.build_loader(m, batch_size=1, shard_id=r, num_shards=2, seed=1,
+                                     backend="reference", need_audio=False, drop_last=False)
+              for r in (0, 1)]
+    seen = [sum(s.shard_indices(), []) for s in shards]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == sorted(usable)
+
+
+def test_manifest_paths_must_stay_inside_the_dataset(tmp_path):
+    (tmp_path / "manifest.csv").write_text(
+        "id,video,audio,mel,label,frames,fps\n0,../../etc/passwd,,,0,10,10\n")
+    with pytest.raises(ValueError, match="escapes the dataset folder"):
+        Manifest(tmp_path / "manifest.csv")
+    with pytest.raises(FileNotFoundError, match="data_dali.prepare"):
+        Manifest(tmp_path / "nope.csv")
+
+
+def _tiny_video(path):
+    frames = np.full((20, 32, 32, 3), 128, np.uint8)
+    synthetic.write_av(path, frames, 10, np.zeros(32000, np.float32), 16000)
+
+
+def test_ucf101_splits_never_mix_train_and_test(tmp_path):
+    src, lists = tmp_path / "UCF-101", tmp_path / "ucfTrainTestlist"
+    names = [("ApplyEyeMakeup", f"v_ApplyEyeMakeup_g0{g}_c01.avi") for g in (1, 2, 3)] + \
+            [("Archery", f"v_Archery_g0{g}_c01.avi") for g in (1, 2, 3)]
+    for cls, f in names:
+        _tiny_video(src / cls / f)
+    lists.mkdir()
+    for k in (1, 2, 3):  # group k is the test group of split k
+        tr = [f"{c}/{f} 1" for c, f in names if f"g0{k}" not in f]
+        te = [f"{c}/{f}" for c, f in names if f"g0{k}" in f]
+        (lists / f"trainlist0{k}.txt").write_text("\n".join(tr) + "\n")
+        (lists / f"testlist0{k}.txt").write_text("\n".join(te) + "\n")
+    out = tmp_path / "out"
+    prep.prepare(src, out, layout="ucf101", splits=lists, workers=1, progress=False,
+                 cfg=prep.PrepareConfig(min_seconds=1.0))
+    splits = data_dali.EvalSplits(out / "manifest.csv").splits()
+    assert [s[0] for s in splits] == ["split1", "split2", "split3"]
+    m = Manifest(out / "manifest.csv")
+    for k, (_, tr, te) in enumerate(splits, 1):
+        assert not set(tr.tolist()) & set(te.tolist())
+        assert {m.rows[i]["source"].split("_")[-2] for i in te.tolist()} == {f"g0{k}"}
+        assert len(tr) == 4 and len(te) == 2
+
+
+def test_esc50_folds_never_mix_train_and_test(tmp_path):
+    src = tmp_path / "ESC-50"
+    (src / "audio").mkdir(parents=True)
+    (src / "meta").mkdir()
+    import soundfile as sf
+
+    lines = ["filename,fold,target,category,esc10,src_file,take"]
+    for fold in range(1, 6):
+        for c, cat in enumerate(("dog", "rain")):
+            name = f"{fold}-{c}-A-{c}.wav"
+            t = np.arange(5 * 16000) / 16000
+            sf.write(src / "audio" / name, 0.3 * np.sin(2 * np.pi * (300 + 300 * c) * t), 16000)
+            lines.append(f"{name},{fold},{c},{cat},False,x,A")
+    (src / "meta" / "esc50.csv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    summary = prep.prepare(src, out, workers=1, progress=False)
+    assert summary["kept"] == 10
+    splits = data_dali.EvalSplits(out / "manifest.csv", modality="audio").splits()
+    assert [s[0] for s in splits] == [f"fold{f}" for f in range(1, 6)]
+    m = Manifest(out / "manifest.csv")
+    for f, (_, tr, te) in enumerate(splits, 1):
+        assert not set(tr.tolist()) & set(te.tolist())
+        assert {m.rows[i]["fold"] for i in te.tolist()} == {str(f)}
+        assert len(te) == 2 and len(tr) == 8
