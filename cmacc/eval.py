@@ -92,6 +92,8 @@ def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu
         import data_dali  # prepared datasets
 
         dc = state["data_config"]
+        if frames is None and protocol == "finetune" and modality == "video":
+            frames = 32  # the paper fine-tunes on 32-frame clips
         ds = data_dali.EvalSplits(data, modality=modality, clip_frames=frames or dc["frames"],
                                   crop=dc["size"], seed=state["model_config"]["seed"])
     results = []
@@ -147,7 +149,8 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--frames", type=int, default=None,
-                   help="clip length on prepared data (default: pretraining length; paper fine-tunes with 32)")
+                   help="clip length on prepared data (default: the pretraining length for linear probes, "
+                        "32 for video fine-tuning as in the paper)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--out", default=None, help="results folder (default: <run>/eval)")
     args = p.parse_args(argv)

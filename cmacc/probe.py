@@ -5,6 +5,7 @@ end-to-end fine-tuning."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 import torch.nn as nn
@@ -21,8 +22,11 @@ def extract_features(backbone: nn.Module, batches, key: str, device, clips: int 
     was_training = backbone.training
     backbone.eval()
     sums, labels = {}, {}
+    from tqdm import tqdm
+
     for p in range(clips):
-        for batch in batches(p):
+        for batch in tqdm(batches(p), desc=f"features (clip pass {p + 1}/{clips})", leave=False,
+                          disable=not sys.stderr.isatty()):
             f = backbone(batch[key].to(device)).float().cpu()  # [B, c]
             for i, lab, row in zip(batch["index"].tolist(), batch["label"].tolist(), f):
                 s = sums.get(i)
@@ -73,7 +77,9 @@ def finetune(backbone: nn.Module, feat_dim: int, num_classes: int, train_batches
     params = list(backbone.parameters()) + list(head.parameters())
     opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     backbone.train()
-    for epoch in range(epochs):
+    from tqdm import tqdm
+
+    for epoch in tqdm(range(epochs), desc="fine-tuning", disable=not sys.stderr.isatty()):
         for batch in train_batches(epoch):
             logits = head(backbone(batch[key].to(device)))
             loss = F.cross_entropy(logits.float(), batch["label"].to(device))

@@ -56,6 +56,8 @@ class Loader:
             raise ValueError(f"backend {backend!r} is not one of auto, dali, reference")
         if backend == "reference":
             return "reference"
+        if not self.need_video:  # audio-only batches are log-mel slices: nothing to decode
+            return "reference"
         try:
             from . import pipelines
 

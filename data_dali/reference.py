@@ -92,7 +92,7 @@ class ClipDataset(torch.utils.data.Dataset):
 
     def sample(self, i: int, rng, start: int | None = None):
         row = self.m.rows[i]
-        n = int(row["frames"])
+        n = int(row["frames"]) or int(float(row["duration"]) * float(row["fps"]))  # audio-only: by duration
         if start is None:
             start = int(rng.integers(0, max(1, n - self.t + 1))) if rng is not None else max(0, (n - self.t) // 2)
         out = {}

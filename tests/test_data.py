@@ -203,3 +203,22 @@ def test_esc50_folds_never_mix_train_and_test(tmp_path):
         assert not set(tr.tolist()) & set(te.tolist())
         assert {m.rows[i]["fold"] for i in te.tolist()} == {str(f)}
         assert len(te) == 2 and len(tr) == 8
+
+
+def test_audio_only_loader_serves_log_mel_segments(tmp_path):
+    import soundfile as sf
+
+    src = tmp_path / "ESC"
+    (src / "audio").mkdir(parents=True)
+    (src / "meta").mkdir()
+    lines = ["filename,fold,target,category"]
+    for k in range(4):
+        sf.write(src / "audio" / f"{k}.wav", 0.2 * np.random.default_rng(k).standard_normal(32000), 16000)
+        lines.append(f"{k}.wav,{k % 2 + 1},{k % 2},c{k % 2}")
+    (src / "meta" / "esc50.csv").write_text("\n".join(lines) + "\n")
+    prep.prepare(src, tmp_path / "out", workers=1, progress=False, cfg=prep.PrepareConfig(min_seconds=1.0))
+    loader = data_dali.build_loader(tmp_path / "out" / "manifest.csv", batch_size=2, need_video=False,
+                                    clip_frames=16, num_workers=0)
+    assert loader.backend == "reference"  # nothing to decode: log-mel slices
+    batch = next(iter(loader))
+    assert batch["audio"].shape == (2, 80, 160) and "video" not in batch
