@@ -222,3 +222,22 @@ def test_audio_only_loader_serves_log_mel_segments(tmp_path):
     assert loader.backend == "reference"  # nothing to decode: log-mel slices
     batch = next(iter(loader))
     assert batch["audio"].shape == (2, 80, 160) and "video" not in batch
+
+
+def test_trainer_reads_prepared_data_through_the_loaders(tmp_path):
+    import train
+    from cmacc import checkpoint as ckpt
+
+    src = synthetic.write_dataset(tmp_path / "src", classes=2, per_class=6, seconds=2.0,
+                                  width=64, height=48)
+    manifest = prep.prepare(src, tmp_path / "data", layout="list", list_file=src / "list.csv",
+                            progress=False, cfg=prep.PrepareConfig(short_side=48, min_seconds=1.0))["manifest"]
+    out = tmp_path / "run"
+    train.main(["--preset", "tiny", "--data", manifest, "--batch-size", "4", "--dict-size", "8",
+                "--pool-size", "16", "--steps", "6", "--log-every", "3", "--out", str(out)])
+    state = ckpt.load(out / "ckpt_00000006.pt")
+    assert state["step"] == 6
+    idx = state["model"]["dict_v.index"]
+    assert ((idx >= 0) & (idx < 12)).all()  # the dictionary holds keys of real clips
+    rows = _csv(out / "metrics.csv")
+    assert len(rows) == 2 and all(float(r["loss"]) > 0 for r in rows)
