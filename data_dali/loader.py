@@ -175,9 +175,11 @@ class EvalSplits:
         idx = [int(i) for i in index]
 
         def gen(p):
+            # training passes augment; test pass 0 is the centre clip, later passes other
+            # temporal positions (multi-clip averaging), always centre-cropped
             ds = ClipDataset(self.m, idx, clip_frames=self.t, crop=self.s,
-                             train=shuffle_seed is not None or p > 0, seed=self.seed + p,
-                             need_audio=self.modality == "audio")
+                             train=shuffle_seed is not None, temporal_jitter=p > 0,
+                             seed=self.seed + p, need_audio=self.modality == "audio")
             order = list(range(len(idx)))
             if shuffle_seed is not None:
                 g = torch.Generator().manual_seed(shuffle_seed + p)

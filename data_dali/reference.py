@@ -82,8 +82,12 @@ class ClipDataset(torch.utils.data.Dataset):
     start frame and augmentation from a generator seeded by (seed, e, dataset index)."""
 
     def __init__(self, manifest: Manifest, index, *, clip_frames=16, crop=112, views=1,
-                 train=True, seed=0, need_audio=True, start=None, dtype=torch.float32):
+                 train=True, seed=0, need_audio=True, start=None, dtype=torch.float32,
+                 temporal_jitter=None):
+        """train: random start + augmentation; train=False: the centre clip, centre crop, unless
+        ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip)."""
         self.m, self.index = manifest, list(index)
+        self.jitter = train if temporal_jitter is None else temporal_jitter
         self.t, self.s, self.views, self.train = clip_frames, crop, views, train
         self.seed, self.epoch, self.need_audio, self.start, self.dtype = seed, 0, need_audio, start, dtype
 
@@ -107,7 +111,7 @@ class ClipDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, k):
         i = self.index[k]
-        rng = np.random.default_rng([self.seed, self.epoch, i]) if self.train else None
+        rng = np.random.default_rng([self.seed, self.epoch, i]) if (self.train or self.jitter) else None
         out = self.sample(i, rng, self.start)
         if self.views == 2:
             second = self.sample(i, rng if rng is not None else np.random.default_rng([self.seed, i]))

@@ -241,3 +241,18 @@ def test_trainer_reads_prepared_data_through_the_loaders(tmp_path):
     assert ((idx >= 0) & (idx < 12)).all()  # the dictionary holds keys of real clips
     rows = _csv(out / "metrics.csv")
     assert len(rows) == 2 and all(float(r["loss"]) > 0 for r in rows)
+
+
+def test_test_time_clips_vary_the_start_but_not_the_crop(broken):
+    _, out, _, _ = broken
+    m = Manifest(out / "manifest.csv")
+    i = [k for k, r in enumerate(m.rows) if r["source"].endswith("ok.mp4")][0]
+    starts = set()
+    for seed in range(6):
+        jit = ClipDataset(m, [i], clip_frames=8, crop=32, train=False, temporal_jitter=True, seed=seed)[0]
+        starts.add(jit["start"])
+        fixed = ClipDataset(m, [i], clip_frames=8, crop=32, train=False, start=jit["start"])[0]
+        assert torch.equal(jit["video"], fixed["video"])  # centre crop, no flip, no grayscale
+    assert len(starts) > 1
+    centre = ClipDataset(m, [i], clip_frames=8, crop=32, train=False)[0]
+    assert centre["start"] == (30 - 8) // 2
