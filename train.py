@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", default="auto", help="'auto' (newest valid checkpoint in --out), 'none', or a checkpoint path")
     g.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda if available")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--loader", choices=("auto", "dali", "reference"), default="auto",
+                   help="data loader for a manifest: DALI (GPU decode; CPU operators without a GPU) "
+                        "or the PyAV reference loader; auto = DALI when it works")
+    g.add_argument("--workers", type=int, default=2, help="reference-loader worker processes")
     g.add_argument("--log-every", type=int, help="log/metrics interval in steps")
     g.add_argument("--ckpt-every", type=int, default=0, help="checkpoint interval in steps (0: only at the end)")
     g.add_argument("--config", help="JSON file of flag values (long names); command-line flags win")
@@ -137,14 +141,18 @@ def configs_from_args(args):
     return ModelConfig(**mk), TrainConfig(**tk), data
 
 
-def build_data(args, mcfg, data, rank, world, views):
+def build_data(args, mcfg, data, rank, world, views, device):
     if args.data != "synthetic":
         import data_dali  # the real pipelines (DALI on GPU, reference loader otherwise)
 
-        return data_dali.build_loader(args.data, batch_size=mcfg.batch_size // world,
-                                      clip_frames=data["frames"], crop=data["size"],
-                                      shard_id=rank, num_shards=world, seed=mcfg.seed,
-                                      views=views, device=args.device or "cpu")
+        try:
+            return data_dali.build_loader(args.data, batch_size=mcfg.batch_size // world,
+                                          clip_frames=data["frames"], crop=data["size"],
+                                          shard_id=rank, num_shards=world, seed=mcfg.seed,
+                                          views=views, device=device, backend=args.loader,
+                                          num_workers=args.workers)
+        except (FileNotFoundError, ValueError) as e:
+            raise SystemExit(f"error: --data {args.data}: {e}") from None
     from cmacc.toydata import ToyAV, ToyLoader
 
     toy = ToyAV(num_clips=data.get("clips", 1024), num_classes=data.get("classes", 10),
@@ -186,7 +194,7 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
 
     # -- data, model, optimiser -----------------------------------------------------------
-    loader = build_data(args, mcfg, data, rank, world, views=2 if mcfg.objective == "smoco" else 1)
+    loader = build_data(args, mcfg, data, rank, world, 2 if mcfg.objective == "smoco" else 1, device)
     model = CMACC(mcfg).to(device)
     model.shuffle_bn = args.shuffle_bn
     if tcfg.channels_last:

@@ -256,3 +256,10 @@ def test_test_time_clips_vary_the_start_but_not_the_crop(broken):
     assert len(starts) > 1
     centre = ClipDataset(m, [i], clip_frames=8, crop=32, train=False)[0]
     assert centre["start"] == (30 - 8) // 2
+
+
+def test_trainer_names_a_missing_manifest(tmp_path):
+    import train
+
+    with pytest.raises(SystemExit, match="no manifest; create one with"):
+        train.main(["--preset", "tiny", "--data", str(tmp_path / "nope.csv"), "--out", str(tmp_path)])
