@@ -1,7 +1,8 @@
-"""pytest-benchmark suite (`make bench`): the selection providers at small sizes, so that it
-runs anywhere; the scripts bench_kmeanspp.py / bench_grad_embed.py do the full sweeps.
+"""pytest-benchmark suite (`make bench`), collected by `pytest bench`, never by `pytest tests`.
+Small sizes so that it runs anywhere; bench_kmeanspp.py / bench_grad_embed.py do the sweeps.
+The Triton provider runs only on CUDA (interpreter timings are not performance figures).
 
-    pytest bench --benchmark-only [--benchmark-json out.json]
+    python -m pytest bench -q --benchmark-only [--benchmark-json out.json]
 """
 
 import pytest
@@ -13,44 +14,44 @@ from bench.bench_kmeanspp import providers as sel_providers
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 M, D, DH = 128, 128, 512
+SLOW = ("materialised", "sklearn")
 
 
-def _sync():
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+def _runs_here(provider):
+    return provider != "triton" or DEVICE == "cuda"
 
 
-@pytest.mark.parametrize("n", [4096])
-@pytest.mark.parametrize("provider", list(sel_providers(DEVICE)))
-def test_selection(benchmark, provider, n):
-    if provider in ("materialised", "sklearn") and DEVICE == "cpu":
-        n = 1024  # 65,536-dim embeddings: keep the CPU run short
+def _timed(benchmark, fn, slow):
+    def run():
+        out = fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    return benchmark.pedantic(run, rounds=1 if slow else 5, iterations=1,
+                              warmup_rounds=0 if slow else 1)
+
+
+@pytest.mark.parametrize("provider", [p for p in sel_providers(DEVICE) if _runs_here(p)])
+def test_selection(benchmark, provider):
+    """grad_embed + k-means++ of M centres; N = 4096 (1024 for the 65,536-dim materialised
+    providers on CPU, to keep the run short)."""
+    n = 1024 if provider in SLOW and DEVICE == "cpu" else 4096
     keys, queries, feats = make_inputs(n, M, D, DH, DEVICE)
     fn = sel_providers(DEVICE)[provider]
     benchmark.group = f"selection N={n}"
-    benchmark.extra_info.update(device=DEVICE, N=n, M=M)
-
-    def run():
-        out = fn(keys, queries, feats, M, 0)
-        _sync()
-        return out
-
-    slow = provider in ("materialised", "sklearn")
-    idx = benchmark.pedantic(run, rounds=1 if slow else 3, iterations=1, warmup_rounds=0 if slow else 1)
+    benchmark.extra_info.update(device=DEVICE, N=n, M=M, d=D, d_h=DH)
+    idx = _timed(benchmark, lambda: fn(keys, queries, feats, M, 0), provider in SLOW)
     assert len(set(torch.as_tensor(idx).tolist())) == M
 
 
 @pytest.mark.parametrize("n", [4096, 38400])
-@pytest.mark.parametrize("provider", [p for p in ge_providers(DEVICE) if p != "materialised"])
+@pytest.mark.parametrize("provider", [p for p in ge_providers(DEVICE)
+                                      if p != "materialised" and _runs_here(p)])
 def test_grad_embed(benchmark, provider, n):
     keys, queries, feats = make_inputs(n, M, D, DH, DEVICE)
     fn = ge_providers(DEVICE)[provider]
     benchmark.group = f"grad_embed N={n}"
-
-    def run():
-        out = fn(keys, queries, feats)
-        _sync()
-        return out
-
-    alpha, beta = benchmark.pedantic(run, rounds=5, iterations=1, warmup_rounds=1)
+    benchmark.extra_info.update(device=DEVICE, N=n, M=M, d=D, d_h=DH)
+    alpha, beta = _timed(benchmark, lambda: fn(keys, queries, feats), False)
     assert alpha.shape == (n, D) and beta.shape == (n, DH)

@@ -1,31 +1,56 @@
-"""Triton k-means++ seeding against the PyTorch reference: identical indices for the same seed
-(the counter-based RNG reproduced bit for bit), exclusion, distinctness, the fallback rule,
-cross-block reductions; the fused selection path and the dispatch."""
+"""Triton k-means++ seeding against the PyTorch reference: the counter-based RNG bit for bit,
+identical indices for the same seed (with and without exclusion, compressed or not, several
+row blocks so that the cross-block reduction decides picks), distinctness, the fallback rule
+for duplicated points, clear errors; the fused selection path and the dispatch."""
+
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+if not torch.cuda.is_available():  # before any Triton kernel is defined (at kernels import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels.kmeanspp import kmeanspp_triton  # noqa: E402
+from kernels.grad_embed import grad_embed_triton, grad_embed_triton_with_norms  # noqa: E402
+from kernels.kmeanspp import kmeanspp_triton, uniform_hash_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _factors(n, a, b, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, a, generator=g).to(DEV, dtype),
-            torch.randn(n, b, generator=g).to(DEV, dtype))
+    return (torch.randn(n, a, generator=g).to(DEV, dtype),  # [N, a]
+            torch.randn(n, b, generator=g).to(DEV, dtype))  # [N, b]
+
+
+def _pool(n, m, d, dh, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    keys = F.normalize(torch.randn(n, d, generator=g), dim=1).to(DEV)
+    queries = F.normalize(torch.randn(m, d, generator=g), dim=1).to(DEV)
+    feats = torch.randn(m, dh, generator=g).to(DEV)
+    exclude = (torch.rand(n, generator=g) < 0.2).to(DEV)
+    return keys, queries, feats, exclude
+
+
+@pytest.mark.parametrize("seed", [0, 1, -3, 2**40 + 7, 2**63 - 1])
+@pytest.mark.parametrize("step", [0, 1, 127, 2**31 + 5])
+def test_rng_equals_reference_bit_for_bit(seed, step):
+    got = uniform_hash_triton(seed, step, 3000, device=DEV).cpu()
+    want = ref.uniform_hash(seed, step, 3000)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert 0.0 < float(got.min()) and float(got.max()) < 1.0
 
 
 @pytest.mark.parametrize("n,a,b,k,block_n", [
-    (1000, 48, 24, 32, None),
+    (1000, 48, 24, 32, None),  # one block under the interpreter
     (1000, 48, 24, 12, 256),  # 4 blocks: the cross-block reduction decides every pick
-    (300, 5, 9, 16, 64),  # 5 blocks, a ragged tail
-    (50, 3, 4, 10, None),
+    (300, 5, 9, 16, 64),  # 5 blocks, a ragged tail, tiny a and b
+    (50, 3, 200, 10, None),  # b spans two column chunks
 ])
 @pytest.mark.parametrize("with_exclude", [False, True])
 def test_same_indices_as_reference(n, a, b, k, block_n, with_exclude):
@@ -35,6 +60,7 @@ def test_same_indices_as_reference(n, a, b, k, block_n, with_exclude):
     for seed in (0, 2**40 + 7):  # (the interpreter is slow: few steps x blocks x seeds)
         got = kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude, block_n=block_n)
         want = ref.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude)
+        assert got.dtype == torch.int64 and got.shape == (k,)
         assert torch.equal(got.cpu(), want.cpu()), (seed, got[:8], want[:8])
         assert len(set(got.tolist())) == k
         if exclude is not None:
@@ -42,26 +68,42 @@ def test_same_indices_as_reference(n, a, b, k, block_n, with_exclude):
 
 
 def test_first_pick_follows_the_counter_rng_for_many_seeds():
-    """Step 0 is argmin_n E(seed, 0, n): it equals the reference's only if the uint32 hash and
-    the uniform map match bit for bit."""
+    """Step 0 is argmin_n E(seed, 0, n) over the eligible candidates."""
     alpha, beta = _factors(200, 4, 4)
-    got = [int(kmeanspp_triton(alpha, beta, 1, seed=s, block_n=64)[0]) for s in range(40)]
-    want = [int(ref.kmeanspp(alpha, beta, 1, seed=s)[0]) for s in range(40)]
+    got = [int(kmeanspp_triton(alpha, beta, 1, seed=s, block_n=64)[0]) for s in range(30)]
+    want = [int(ref.uniform_hash(s, 0, 200).argmax()) for s in range(30)]  # -E max = U max
     assert got == want
-    assert len(set(got)) > 20  # and the draws do move with the seed
+    assert len(set(got)) > 15  # and the draws do move with the seed
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_picks_from_grad_embed_equal_reference(compress):
+    """grad_embed -> kmeanspp, head view, with and without row-space compression: the Triton
+    pair picks what the reference pair picks, for several seeds, with an exclusion mask."""
+    keys, queries, feats, exclude = _pool(500, 20, 32, 72)
+    a, b = grad_embed_triton(keys, queries, feats, view="head", compress=compress)
+    ra, rb = ref.grad_embed(keys, queries, feats, view="head", compress=compress)
+    assert b.shape[1] == (20 if compress else 72)
+    for seed in (3, 11):
+        got = kmeanspp_triton(a, b, 20, seed=seed, exclude=exclude)
+        want = ref.kmeanspp(ra, rb, 20, seed=seed, exclude=exclude)
+        assert torch.equal(got.cpu(), want.cpu()), (seed, got, want)
 
 
 def test_low_precision_factors_give_the_reference_picks():
     alpha, beta = _factors(500, 16, 24, seed=3, dtype=torch.bfloat16)
-    for seed in range(3):
-        assert torch.equal(kmeanspp_triton(alpha, beta, 40, seed=seed).cpu(),
-                           ref.kmeanspp(alpha, beta, 40, seed=seed).cpu())
+    for seed in range(2):
+        assert torch.equal(kmeanspp_triton(alpha, beta, 30, seed=seed).cpu(),
+                           ref.kmeanspp(alpha, beta, 30, seed=seed).cpu())
 
 
 def test_duplicates_fall_back_to_uniform_and_stay_distinct():
+    """Once every remaining candidate has D = 0 (copies of chosen points), the draw is uniform
+    over them (score -E) and picks stay distinct -- exactly the reference's rule."""
     alpha = torch.ones(40, 3, device=DEV)
     beta = torch.ones(40, 2, device=DEV)
-    alpha[:5] = 2.0  # 5 distinct points, 35 copies of one point
+    alpha[:5] = 2.0  # 5 copies of one point, 35 copies of another
+    alpha[1] = 3.0
     exclude = torch.zeros(40, dtype=torch.bool, device=DEV)
     exclude[::4] = True
     got = kmeanspp_triton(alpha, beta, 30, seed=5, exclude=exclude, block_n=16)
@@ -78,14 +120,16 @@ def test_errors_are_clear():
         kmeanspp_triton(alpha, beta, 6, seed=0, exclude=exclude)
     with pytest.raises(ValueError, match="must share N"):
         kmeanspp_triton(alpha, beta[:4], 2, seed=0)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        kmeanspp_triton(alpha, beta, 0, seed=0)
+    with pytest.raises(ValueError, match="exclude must be a bool mask"):
+        kmeanspp_triton(alpha, beta, 2, seed=0, exclude=exclude[:3])
 
 
 def test_fused_selection_path_equals_reference(monkeypatch):
-    g = torch.Generator().manual_seed(4)
-    keys = F.normalize(torch.randn(600, 32, generator=g), dim=1).to(DEV)
-    queries = F.normalize(torch.randn(20, 32, generator=g), dim=1).to(DEV)
-    feats = torch.randn(20, 72, generator=g).to(DEV)
-    exclude = (torch.rand(600, generator=g) < 0.2).to(DEV)
+    """kernels.select (grad_embed with |g|^2 and compression, then k-means++) under both
+    backends, and the reference against the materialised uncompressed embeddings."""
+    keys, queries, feats, exclude = _pool(600, 20, 32, 72)
     monkeypatch.setenv("CMACC_KERNELS", "reference")
     want = kernels.select(keys, queries, feats, 24, seed=8, exclude=exclude)
     a, b = ref.grad_embed(keys, queries, feats, view="head")  # uncompressed, materialisable
@@ -93,6 +137,8 @@ def test_fused_selection_path_equals_reference(monkeypatch):
     monkeypatch.setenv("CMACC_KERNELS", "triton")
     got = kernels.select(keys, queries, feats, 24, seed=8, exclude=exclude)
     assert torch.equal(got.cpu(), want.cpu())
+    _, _, sqn = grad_embed_triton_with_norms(keys, queries, feats, compress=True)
+    torch.testing.assert_close(sqn, (a * a).sum(1) * (b * b).sum(1), rtol=1e-4, atol=1e-6)
 
 
 def test_dispatch_reads_the_environment_at_call_time(monkeypatch):
