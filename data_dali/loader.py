@@ -1,76 +1,131 @@
 """The one entry point the trainer and the evaluation use: ``build_loader``.
 
-Epochs are shuffled with a generator seeded by (seed, epoch); every global batch is split over
-the ranks (shard r takes its slice), so the gathered global batch is the same whatever the
-number of ranks, and 2 shards cover an epoch once, disjointly. backend "dali" decodes and
-augments with DALI (GPU when device is cuda, CPU operators otherwise); "reference" uses the
-PyAV loader; "auto" picks DALI when it imports and works, else the reference, with a warning.
+Epochs are shuffled with a generator seeded by (seed, epoch); every global batch (batch_size x
+num_shards clips) is split over the ranks (shard r takes its slice), so the gathered global
+batch is the same whatever the number of ranks, and the shards cover an epoch once, disjointly.
+backend "dali" decodes and augments with DALI (GPU when device is cuda, CPU operators
+otherwise); "reference" uses the PyAV loader; "auto" picks DALI when it imports and its first
+pipeline builds and runs, else the reference, with a warning saying why.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from .manifest import Manifest
+from .audio import mel_frames
+from .manifest import Manifest, ManifestError
 
 log = logging.getLogger("data_dali")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def read_manifest(path) -> Manifest:
+    """The manifest's rows (validated: paths inside the dataset root, ids 0..N-1)."""
     return Manifest(path)
 
 
 def manifest_info(path) -> dict:
-    m = Manifest(path)
-    return dict(clips=len(m), classes=m.num_classes, class_names=m.class_names,
-                with_audio=sum(1 for r in m.rows if r["mel"]),
-                with_video=sum(1 for r in m.rows if r["video"]))
+    """Counts, classes and splits of a prepared dataset."""
+    m = path if isinstance(path, Manifest) else Manifest(path)
+    rows = m.rows
+    return dict(file=str(m.file), clips=len(m), classes=m.num_classes, class_names=m.class_names,
+                with_video=sum(1 for r in rows if r["video"]),
+                with_audio=sum(1 for i in range(len(m)) if m.has_audio(i)),
+                silent=sum(1 for r in rows if r.get("silent") == "1"),
+                fps=sorted({float(r["fps"]) for r in rows}),
+                splits=[c for c in ("split1", "split2", "split3") if any(r.get(c) for r in rows)],
+                folds=sorted({r["fold"] for r in rows if r.get("fold")}))
+
+
+@dataclass
+class LoaderConfig:
+    batch_size: int
+    clip_frames: int = 16
+    crop: int = 112
+    fps: float = 10.0
+    shard_id: int = 0
+    num_shards: int = 1
+    seed: int = 0
+    views: int = 1
+    num_workers: int = 2
+    drop_last: bool = True
+    dtype: torch.dtype = torch.float32
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.clip_frames < 1:
+            raise ValueError(f"clip_frames must be >= 1, got {self.clip_frames}")
+        if self.crop < 8:
+            raise ValueError(f"crop must be >= 8 pixels, got {self.crop}")
+        if self.fps <= 0:
+            raise ValueError(f"fps must be > 0, got {self.fps}")
+        if not 0 <= self.shard_id < self.num_shards:
+            raise ValueError(f"shard_id {self.shard_id} must be in [0, num_shards={self.num_shards})")
+        if self.views not in (1, 2):
+            raise ValueError(f"views must be 1 or 2, got {self.views}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        if self.backend not in ("auto", "dali", "reference"):
+            raise ValueError(f"backend {self.backend!r} is not one of auto, dali, reference")
 
 
 class Loader:
-    """Iterable per epoch (``set_epoch`` first); ``len`` = batches per epoch (per rank)."""
+    """Iterable per epoch (each ``iter()`` is one epoch of this rank's batches; call
+    ``set_epoch(e)`` first to reshuffle); ``len`` = batches per epoch on this rank.
 
-    def __init__(self, manifest: Manifest, index: list[int], *, batch_size, clip_frames, crop,
-                 shard_id, num_shards, seed, device, backend, views, num_workers, drop_last,
-                 dtype, train=True, need_video=True, need_audio=True):
+    Batches: dicts of tensors on ``device``: "video" [B,3,T,S,S], "audio" [B,80,L] with
+    L = round(100 T / fps), "index" long [B] (manifest row = dataset index), "label" long [B]
+    (-1 = unlabeled), "start" long [B] (first frame of the clip); views=2 adds "video2",
+    "audio2", "start2" (another random segment, crop and flip of the same clip)."""
+
+    def __init__(self, manifest: Manifest, index: list[int], cfg: LoaderConfig, *, device="cpu",
+                 train=True, need_video=True, need_audio=True):
         if not index:
             raise ValueError(f"{manifest.file}: no usable clips for this loader (need video="
                              f"{need_video}, audio={need_audio}); check the manifest and rejects.csv")
-        if batch_size * num_shards > len(index) and drop_last:
+        if cfg.batch_size * cfg.num_shards > len(index) and cfg.drop_last:
             raise ValueError(f"{manifest.file}: {len(index)} usable clips < one global batch of "
-                             f"{batch_size * num_shards}; lower --batch-size or add data")
-        self.m, self.index = manifest, index
-        self.batch_size, self.t, self.s = batch_size, clip_frames, crop
-        self.shard_id, self.num_shards, self.seed = shard_id, num_shards, seed
-        self.device, self.views, self.num_workers = torch.device(device), views, num_workers
-        self.drop_last, self.dtype, self.train, self.epoch = drop_last, dtype, train, 0
+                             f"{cfg.batch_size * cfg.num_shards}; lower the batch size or add data")
+        self.cfg, self.m, self.index = cfg, manifest, index
+        self.batch_size, self.t, self.s = cfg.batch_size, cfg.clip_frames, cfg.crop
+        self.shard_id, self.num_shards, self.seed = cfg.shard_id, cfg.num_shards, cfg.seed
+        self.device, self.views, self.num_workers = torch.device(device), cfg.views, cfg.num_workers
+        self.drop_last, self.dtype, self.epoch = cfg.drop_last, cfg.dtype, 0
+        self.train = self.jitter = train
         self.need_video, self.need_audio = need_video, need_audio
         self.num_clips, self.num_classes = len(manifest), manifest.num_classes
         self.class_names, self.labels = manifest.class_names, manifest.labels
-        self.backend = self._pick_backend(backend)
+        self.audio_frames = mel_frames(cfg.clip_frames, cfg.fps)
+        self.backend = self._pick_backend(cfg.backend)
+        self._dali_checked = self.backend != "dali" or cfg.backend == "dali"
 
     def _pick_backend(self, backend):
-        if backend not in ("auto", "dali", "reference"):
-            raise ValueError(f"backend {backend!r} is not one of auto, dali, reference")
         if backend == "reference":
             return "reference"
-        if not self.need_video:  # audio-only batches are log-mel slices: nothing to decode
-            return "reference"
+        if backend == "auto" and not self.need_video:
+            return "reference"  # audio-only batches are log-mel slices: nothing to decode
         try:
             from . import pipelines
 
             pipelines.check_available(self.device)
             return "dali"
-        except Exception as e:
+        except Exception as e:  # ImportError, a missing CUDA runtime, ...
             if backend == "dali":
-                raise RuntimeError(f"DALI backend unavailable: {e}") from e
-            log.warning("DALI unavailable (%s); using the PyAV reference loader", e)
+                raise RuntimeError(f"DALI backend unavailable ({type(e).__name__}: {e}); install "
+                                   "nvidia-dali-cuda130 or use backend='reference'") from e
+            log.warning("DALI unavailable (%s: %s); using the PyAV reference loader",
+                        type(e).__name__, e)
             return "reference"
 
     def set_epoch(self, epoch: int):
-        self.epoch = epoch
+        self.epoch = int(epoch)
 
     def _global_batches(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -92,21 +147,40 @@ class Loader:
 
     def __iter__(self):
         batches = self.shard_indices()
-        if self.backend == "dali":
-            from .pipelines import iterate_dali
-
-            yield from iterate_dali(self, batches)
+        if self.backend != "dali":
+            yield from self._iter_reference(batches)
             return
+        from .pipelines import iterate_dali
+
+        gen = iterate_dali(self, batches)
+        if self._dali_checked:
+            yield from gen
+            return
+        try:  # backend "auto": the first batch proves DALI works here
+            first = next(gen)
+        except StopIteration:
+            return
+        except Exception as e:
+            log.warning("DALI pipeline failed (%s: %s); using the PyAV reference loader",
+                        type(e).__name__, e)
+            self.backend, self._dali_checked = "reference", True
+            yield from self._iter_reference(batches)
+            return
+        self._dali_checked = True
+        yield first
+        yield from gen
+
+    def _iter_reference(self, batches):
         from .reference import ClipDataset
 
         ds = ClipDataset(self.m, self.index, clip_frames=self.t, crop=self.s, views=self.views,
                          train=self.train, seed=self.seed, need_audio=self.need_audio,
-                         dtype=self.dtype)
+                         need_video=self.need_video, dtype=self.dtype)
         ds.epoch = self.epoch
         pos = {i: k for k, i in enumerate(self.index)}
         dl = torch.utils.data.DataLoader(ds, batch_sampler=[[pos[i] for i in b] for b in batches],
                                          num_workers=self.num_workers,
-                                         persistent_workers=False)
+                                         pin_memory=self.device.type == "cuda")
         for batch in dl:
             yield {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
                    for k, v in batch.items()}
@@ -116,24 +190,34 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                  shard_id=0, num_shards=1, seed=0, device="cpu", backend="auto", views=1,
                  num_workers=2, drop_last=True, dtype=torch.float32, train=True,
                  need_video=True, need_audio=True) -> Loader:
-    """Pretraining / downstream loader over a prepared manifest (``fps`` is the prepared rate;
-    the manifest's own fps column is what alignment uses)."""
-    if not 0 <= shard_id < num_shards:
-        raise ValueError(f"shard_id {shard_id} must be in [0, num_shards={num_shards})")
+    """Pretraining (need_video and need_audio: clips without audio are skipped, and counted in
+    the log) or downstream (need_audio=False: video-only; need_video=False: audio-only) loader
+    over a prepared manifest. ``fps`` must be the rate the clips were prepared at (checked).
+    ``split``: None (all rows), "train"/"test" (split1), "split2:test", "fold:3" or a
+    (column, value) pair. ``train=False``: centre clip, centre crop, fixed order."""
+    cfg = LoaderConfig(batch_size=batch_size, clip_frames=clip_frames, crop=crop, fps=fps,
+                       shard_id=shard_id, num_shards=num_shards, seed=seed, views=views,
+                       num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend)
+    if not (need_video or need_audio):
+        raise ValueError("need_video and need_audio are both False: nothing to load")
     m = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
     index = m.select(need_video=need_video, need_audio=need_audio, split=split)
+    rates = {float(m.rows[i]["fps"]) for i in index}
+    if rates and rates != {float(fps)}:
+        raise ManifestError(f"{m.file}: clips were prepared at {sorted(rates)} fps but the loader "
+                            f"was asked for fps={fps}; pass fps={min(rates):g} or re-run "
+                            f"`python -m data_dali.prepare --fps {fps:g}`")
     skipped = len(m) - len(index)
     if skipped:
-        log.info("%s: %d of %d clips lack what this loader needs (video=%s, audio=%s) and are "
-                 "skipped", m.file, skipped, len(m), need_video, need_audio)
-    return Loader(m, index, batch_size=batch_size, clip_frames=clip_frames, crop=crop,
-                  shard_id=shard_id, num_shards=num_shards, seed=seed, device=device,
-                  backend=backend, views=views, num_workers=num_workers, drop_last=drop_last,
-                  dtype=dtype, train=train, need_video=need_video, need_audio=need_audio)
+        log.info("%s: %d of %d clips lack what this loader needs (video=%s, audio=%s%s) and are "
+                 "skipped", m.file, skipped, len(m), need_video, need_audio,
+                 f", split={split}" if split is not None else "")
+    return Loader(m, index, cfg, device=device, train=train, need_video=need_video,
+                  need_audio=need_audio)
 
 
 class EvalSplits:
-    """Train/test splits of a prepared labelled dataset for ``cmacc.eval``: the official
+    """Train/test splits of a prepared labelled dataset for ``cmacc.apps.eval``: the official
     UCF101/HMDB51 splits (columns split1..3), ESC-50's 5 folds (column fold: each fold is the
     test set once), or, for a plain folder, split1 if present."""
 
@@ -179,7 +263,8 @@ class EvalSplits:
             # temporal positions (multi-clip averaging), always centre-cropped
             ds = ClipDataset(self.m, idx, clip_frames=self.t, crop=self.s,
                              train=shuffle_seed is not None, temporal_jitter=p > 0,
-                             seed=self.seed + p, need_audio=self.modality == "audio")
+                             seed=self.seed + p, need_audio=self.modality == "audio",
+                             need_video=self.modality == "video")
             order = list(range(len(idx)))
             if shuffle_seed is not None:
                 g = torch.Generator().manual_seed(shuffle_seed + p)

@@ -21,20 +21,29 @@ MEAN = (0.45, 0.45, 0.45)  # per-channel, on [0, 1] pixels
 STD = (0.225, 0.225, 0.225)
 
 
-def decode_clip(path: str | Path, start: int, frames: int) -> np.ndarray:
+def decode_clip(path: str | Path, start: int, frames: int, fps: float | None = None) -> np.ndarray:
     """Frames [start, start + frames) of a prepared (constant-rate) video as [T, H, W, 3] uint8;
-    the last frame repeats if the video is shorter."""
+    the last frame repeats if the video is shorter (as DALI's pad_mode="edge"). Deep starts
+    seek to the keyframe before them (prepared clips have one per second) instead of decoding
+    from the beginning; frame k of a prepared clip is presented at k / fps."""
     import av
 
     out = []
     with av.open(str(path)) as c:
-        for i, f in enumerate(c.decode(video=0)):
-            if i >= start:
+        vs = c.streams.video[0]
+        rate = float(fps or vs.average_rate or 0)
+        seek = rate > 0 and start > 2 * rate and vs.time_base is not None
+        if seek:
+            c.seek(int((start - 0.5) / rate / vs.time_base), stream=vs, backward=True)
+        for i, f in enumerate(c.decode(vs)):
+            k = int(round(f.time * rate)) if seek and f.pts is not None else i
+            if k >= start:
                 out.append(f.to_ndarray(format="rgb24"))
             if len(out) == frames:
                 break
     if not out:
-        raise ValueError(f"{path}: no frames at or after frame {start}; re-run data_dali.prepare")
+        raise ValueError(f"{path}: no frames at or after frame {start}; the manifest's frame count "
+                         "is wrong for this file: re-run `python -m data_dali.prepare`")
     while len(out) < frames:
         out.append(out[-1])
     return np.stack(out)
@@ -83,13 +92,14 @@ class ClipDataset(torch.utils.data.Dataset):
 
     def __init__(self, manifest: Manifest, index, *, clip_frames=16, crop=112, views=1,
                  train=True, seed=0, need_audio=True, start=None, dtype=torch.float32,
-                 temporal_jitter=None):
+                 temporal_jitter=None, need_video=True):
         """train: random start + augmentation; train=False: the centre clip, centre crop, unless
         ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip)."""
         self.m, self.index = manifest, list(index)
         self.jitter = train if temporal_jitter is None else temporal_jitter
         self.t, self.s, self.views, self.train = clip_frames, crop, views, train
         self.seed, self.epoch, self.need_audio, self.start, self.dtype = seed, 0, need_audio, start, dtype
+        self.need_video = need_video
 
     def __len__(self):
         return len(self.index)
@@ -100,9 +110,9 @@ class ClipDataset(torch.utils.data.Dataset):
         if start is None:
             start = int(rng.integers(0, max(1, n - self.t + 1))) if rng is not None else max(0, (n - self.t) // 2)
         out = {}
-        if row["video"]:
-            out["video"] = augment(decode_clip(self.m.path(row["video"]), start, self.t), self.s,
-                                   rng if self.train else None, dtype=self.dtype)
+        if row["video"] and self.need_video:
+            out["video"] = augment(decode_clip(row["video"], start, self.t, float(row["fps"])),
+                                   self.s, rng if self.train else None, dtype=self.dtype)
         if self.need_audio:
             out["audio"] = torch.from_numpy(
                 mel_segment(self.m.mel(i), start, self.t, float(row["fps"]))).to(self.dtype)
@@ -116,6 +126,7 @@ class ClipDataset(torch.utils.data.Dataset):
         if self.views == 2:
             second = self.sample(i, rng if rng is not None else np.random.default_rng([self.seed, i]))
             out["video2"], out["audio2"] = second.get("video"), second.get("audio")
+            out["start2"] = second["start"]
         out["index"] = i
         out["label"] = int(self.m.rows[i]["label"])
         return {k: v for k, v in out.items() if v is not None}

@@ -1,10 +1,9 @@
-"""data_dali: prepare on generated files incl. broken ones (manifest and rejects exactly as
-expected, re-run a no-op), the DALI CPU pipeline against the PyAV reference loader, audio/video
-alignment, sharding, manifest safety, official split bookkeeping."""
+"""data_dali end to end: prepared audio and log-mels, the DALI CPU pipeline against the PyAV
+reference loader, audio/video alignment, sharding, test-time clips, manifest safety, official
+split bookkeeping, and the trainer reading prepared data (prepare's own checks:
+test_data_prepare.py; the loader's contract: test_data_loader.py)."""
 
 import csv
-import json
-import os
 
 import numpy as np
 import pytest
@@ -21,48 +20,6 @@ from data_dali.reference import ClipDataset
 def _csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-@pytest.fixture(scope="module")
-def broken(tmp_path_factory):
-    src = tmp_path_factory.mktemp("src")
-    truth = synthetic.write_broken(src / "cls")
-    out = tmp_path_factory.mktemp("prepared")
-    summary = prep.prepare(src, out, workers=2, progress=False)
-    return src, out, truth, summary
-
-
-def test_prepare_keeps_handles_and_rejects_as_expected(broken):
-    src, out, truth, summary = broken
-    rejects = {r["file"].split("/")[-1]: r["reason"] for r in _csv(out / "rejects.csv")}
-    assert set(rejects) == {"truncated.mp4", "zero.mp4", "not_a_video.mp4", "too_short.mp4",
-                            "audio_only.mp4"}
-    assert rejects["zero.mp4"] == "zero-size file"
-    assert rejects["audio_only.mp4"] == "no video stream"
-    assert rejects["too_short.mp4"].startswith("too short")
-    assert rejects["truncated.mp4"].startswith("unreadable or corrupt")
-    rows = {r["source"].split("/")[-1]: r for r in _csv(out / "manifest.csv")}
-    assert set(rows) == {"ok.mp4", "no_audio.mp4", "silent.mp4", "surround.mp4", "vertical.mp4"}
-    assert rows["no_audio.mp4"]["audio_present"] == "0" and rows["no_audio.mp4"]["mel"] == ""
-    assert rows["silent.mp4"]["silent"] == "1" and rows["ok.mp4"]["silent"] == "0"
-    assert rows["surround.mp4"]["audio_present"] == "1"  # 5.1 downmixed to mono
-    v = rows["vertical.mp4"]
-    assert int(v["width"]) == 128 and int(v["height"]) > 128 and int(v["height"]) % 2 == 0
-    for r in rows.values():
-        assert float(r["fps"]) == 10.0 and int(r["frames"]) == 30  # 3 s at 10 fps
-    assert summary["rejects_by_reason"]["zero-size file"] == 1
-    assert summary["flagged"]["silent audio (kept; flagged)"] == 1
-    assert not [p for p in out.rglob("*") if ".tmp" in p.name]  # no half-written files
-
-
-def test_prepare_rerun_is_a_noop(broken):
-    src, out, truth, _ = broken
-    files = [p for p in out.rglob("*") if p.is_file()]
-    before = {p: p.stat().st_mtime_ns for p in files}
-    summary = prep.prepare(src, out, workers=1, progress=False)
-    assert summary["skipped_done"] == summary["files"] == 10
-    after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    assert after == before
 
 
 def test_prepared_audio_is_16k_mono_and_mel_has_100_fps(broken):
@@ -93,7 +50,7 @@ def test_dali_cpu_pipeline_matches_reference_loader(broken):
         assert diff.mean() < 0.05 and diff.max() < 0.5  # resampling arithmetic only
         torch.testing.assert_close(bd["audio"], br["audio"])
         n += 1
-    assert n == len(dali) == 2
+    assert n == len(dali) >= 2
 
 
 @pytest.fixture(scope="module")
@@ -258,8 +215,11 @@ def test_test_time_clips_vary_the_start_but_not_the_crop(broken):
     assert centre["start"] == (30 - 8) // 2
 
 
-def test_trainer_names_a_missing_manifest(tmp_path):
+def test_trainer_names_a_missing_manifest(tmp_path, capsys):
     import train
 
-    with pytest.raises(SystemExit, match="no manifest; create one with"):
+    with pytest.raises(SystemExit) as e:  # a usage error: one line on stderr, exit code 2
         train.main(["--preset", "tiny", "--data", str(tmp_path / "nope.csv"), "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--data" in err and "nope.csv" in err and "no manifest; create one with" in err

@@ -1,0 +1,116 @@
+"""Atomic file writes for every writer of the project.
+
+A reader sees the old file or the new one, never half of one, and a killed writer leaves only
+a temporary that the next run sweeps.
+
+    with atomic_path(out / "clip.webm") as tmp:   # .clip.webm.tmp<pid>.webm, same folder
+        encode(tmp)                               # exception: tmp removed, clip.webm untouched
+    atomic_write_text(out / "manifest.csv", text)
+    atomic_write_bytes(out / "x.bin", data)
+    sweep_temporaries(out, recursive=True)        # what a killed run left behind
+
+The temporary is a hidden sibling (same folder, so ``os.replace`` is atomic) named after the
+target and the writing process, ending in the target's extension so that encoders which pick the
+format by name (PyAV, soundfile, ``np.save``) write the right one. On success the file is
+fsync'ed before the rename; ``fsync_dir`` also makes the rename itself durable.
+
+Standard library only (no torch, no cmacc): ``data_dali`` is the bottom layer, and ``cmacc``
+imports this module too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+# .NAME.tmpPID[SUFFIX] — e.g. .clip.webm.tmp4242.webm
+TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^./]+)?$")
+
+
+def temporary_path(path, suffix: str | None = None) -> Path:
+    """The temporary sibling this process writes ``path`` through (``suffix`` defaults to the
+    extension of ``path``)."""
+    path = Path(path)
+    suffix = path.suffix if suffix is None else suffix
+    return path.with_name(f".{path.name}.tmp{os.getpid()}{suffix}")
+
+
+def fsync_file(path) -> None:
+    """Flush a written file's data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path) -> None:
+    """Flush a folder's entries (a rename into it) to the disk; a no-op where folders cannot be
+    opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path, suffix: str | None = None):
+    """Yield a temporary sibling of ``path`` to write; when the block ends without an
+    exception, fsync it and ``os.replace`` it onto ``path``; otherwise remove it and re-raise
+    (``path`` is untouched). The folder must exist."""
+    path = Path(path)
+    tmp = temporary_path(path, suffix)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns ``path``."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return path
+
+
+def atomic_write_text(path, text: str, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` atomically (no newline translation); returns ``path``."""
+    return atomic_write_bytes(path, text.encode(encoding))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except PermissionError:  # another user's live process
+        return True
+    except (OSError, OverflowError):  # no such process (or no such pid at all)
+        return False
+    return True
+
+
+def sweep_temporaries(folder, recursive: bool = False) -> int:
+    """Remove the stale temporaries of ``atomic_path`` in ``folder`` (and its sub-folders when
+    ``recursive``): files named like ours whose writing process is no longer running on this
+    machine. Everything else is left alone. Returns how many were removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    n = 0
+    for p in folder.rglob(".*.tmp*") if recursive else folder.glob(".*.tmp*"):
+        m = TEMPORARY.match(p.name)
+        if m and p.is_file() and not _alive(int(m["pid"])):
+            p.unlink(missing_ok=True)
+            n += 1
+    return n

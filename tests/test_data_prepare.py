@@ -1,0 +1,241 @@
+"""data_dali.prepare on generated files, broken ones included: the manifest and rejects.csv are
+exactly what data_dali.synthetic.BROKEN says they must be; re-runs are no-ops; changed sources
+are redone; official split files; path safety; the audio front end against librosa."""
+
+import csv
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from data_dali import prepare as prep
+from data_dali import synthetic
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _name(rel):
+    return rel.split("/")[-1]
+
+
+def test_manifest_and_rejects_are_exactly_as_expected(broken):
+    src, out, truth, summary = broken
+    rejects = {_name(r["file"]): r["reason"] for r in _csv(out / "rejects.csv")}
+    rows = {_name(r["source"]): r for r in _csv(out / "manifest.csv")}
+    want_rejects = {f: why for f, (what, why) in truth.items() if what == "reject"}
+    want_kept = {f: note for f, (what, note) in truth.items() if what == "keep"}
+    assert set(rejects) == set(want_rejects) and set(rows) == set(want_kept)
+    for f, why in want_rejects.items():
+        assert rejects[f].startswith(why), (f, rejects[f])
+    for f, note in want_kept.items():
+        assert (note in rows[f]["notes"]) if note else rows[f]["notes"] == "", (f, rows[f]["notes"])
+    # counted by reason in the summary; every file accounted for
+    assert summary["files"] == len(truth) == summary["kept"] + summary["rejected"]
+    assert summary["rejects_by_reason"] == dict(Counter(rejects[f].split(" (")[0] for f in rejects))
+    assert summary["noted"]["silent audio"] == 1 and summary["noted"]["no audio stream"] == 1
+    assert summary["video_only"] == 1
+    # ids are 0..N-1, one class, paths relative to OUT and present
+    assert [int(r["id"]) for r in _csv(out / "manifest.csv")] == list(range(len(rows)))
+    for r in rows.values():
+        assert r["label"] == "0" and r["class_name"] == "cls"
+        for k in ("video", "audio", "mel"):
+            assert not r[k] or (not os.path.isabs(r[k]) and (out / r[k]).is_file())
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]  # no half-written files
+
+
+def test_kept_clips_are_constant_rate_even_sized_vp9_at_the_short_side(broken):
+    import av
+
+    _, out, _, _ = broken
+    rows = {_name(r["source"]): r for r in _csv(out / "manifest.csv")}
+    for f, r in rows.items():
+        w, h = int(r["width"]), int(r["height"])
+        assert min(w, h) == 128 and w % 2 == 0 and h % 2 == 0, f
+        assert float(r["fps"]) == 10.0
+        assert int(r["frames"]) == (35 if f == "truncated_tail.mp4" else 30), f
+        with av.open(str(out / r["video"])) as c:
+            vs = c.streams.video[0]
+            assert vs.codec_context.name == "vp9" and (vs.width, vs.height) == (w, h)
+            times = [fr.time for fr in c.decode(vs)]
+        np.testing.assert_allclose(times, np.arange(len(times)) / 10, atol=2e-3)
+        assert len(times) == int(r["frames"])
+    assert (int(rows["vertical.mp4"]["width"]), int(rows["vertical.mp4"]["height"])) == (128, 214)
+    assert (int(rows["odd_size.mp4"]["width"]), int(rows["odd_size.mp4"]["height"])) == (190, 128)
+    r = rows["no_audio.mp4"]
+    assert r["audio_present"] == "0" and r["audio"] == r["mel"] == ""
+    assert rows["silent.mp4"]["silent"] == "1" and rows["ok.mp4"]["silent"] == "0"
+
+
+def test_variable_frame_rate_is_resampled_by_presentation_time(broken):
+    import av
+
+    _, out, _, _ = broken
+    row = [r for r in _csv(out / "manifest.csv") if r["source"].endswith("vfr.mp4")][0]
+    with av.open(str(out / row["video"])) as c:
+        got = np.array([f.to_ndarray(format="gray").mean() for f in c.decode(video=0)])
+    src_t = synthetic.vfr_times()
+    # output frame k shows the newest source frame presented at or before k / 10 s
+    want = np.array([round(src_t[src_t <= k / 10 + 1e-6].max() * 80) for k in range(len(got))])
+    np.testing.assert_allclose(got, want, atol=4)  # codec error only
+
+
+def test_audio_is_16k_mono_and_the_mel_matches_librosa(broken):
+    import librosa
+    import soundfile as sf
+
+    _, out, _, _ = broken
+    rows = {_name(r["source"]): r for r in _csv(out / "manifest.csv")}
+    ref = None
+    for f in ("ok.mp4", "stereo.mp4", "surround.mp4"):  # mono, stereo and 5.1 sources
+        wave, sr = sf.read(out / rows[f]["audio"], dtype="float32")
+        assert sr == 16_000 and wave.ndim == 1 and abs(len(wave) - 48_000) < 2048
+        mel = np.load(out / rows[f]["mel"])
+        # independent reference: librosa with the paper's constants written out here
+        want = np.log(librosa.feature.melspectrogram(y=wave, sr=16000, n_fft=512, win_length=400,
+                                                     hop_length=160, n_mels=80) + 1e-6)
+        assert mel.shape == want.shape and mel.shape[0] == 80 and mel.dtype == np.float32
+        np.testing.assert_allclose(mel, want, atol=1e-3)
+        # the same tone whatever the channel layout (downmix, not a single channel)
+        e = wave[:len(wave) // 1000 * 1000].reshape(-1, 1000).std(1)
+        ref = e if ref is None else ref
+        np.testing.assert_allclose(e, ref, rtol=0.35, atol=0.02)
+
+
+def test_rerun_is_a_noop(broken):
+    src, out, truth, _ = broken
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    summary = prep.prepare(src, out, workers=1, progress=False)
+    assert summary["skipped_done"] == summary["files"] == len(truth) and summary["processed"] == 0
+    after = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_resume_redoes_changed_sources_and_sweeps_temporaries(tmp_path):
+    frames = np.full((20, 32, 32, 3), 100, np.uint8)
+    src = tmp_path / "src"
+    for n in ("a", "b"):
+        synthetic.write_av(src / "c" / f"{n}.mp4", frames, 10, np.zeros(32000, np.float32), 16000)
+    out = tmp_path / "out"
+    cfg = prep.PrepareConfig(min_seconds=1.0)
+    prep.prepare(src, out, workers=1, progress=False, cfg=cfg)
+    killed = subprocess.Popen([sys.executable, "-c", ""])
+    killed.wait()
+    stale = out / "clips" / "c" / f".a.webm.tmp{killed.pid}.webm"  # what a killed run leaves behind
+    stale.write_bytes(b"half")
+    b_webm = out / "clips" / "c" / "b.webm"
+    b_mtime = b_webm.stat().st_mtime_ns
+    synthetic.write_av(src / "c" / "a.mp4", frames[:15], 10, np.zeros(32000, np.float32), 16000)
+    s = prep.prepare(src, out, workers=1, progress=False, cfg=cfg)
+    assert s["processed"] == 1 and s["skipped_done"] == 1 and not stale.exists()
+    assert b_webm.stat().st_mtime_ns == b_mtime
+    assert {r["source"]: r["frames"] for r in _csv(out / "manifest.csv")} == {"c/a.mp4": "15",
+                                                                                "c/b.mp4": "20"}
+    # other settings: everything is redone
+    s = prep.prepare(src, out, workers=1, progress=False, cfg=prep.PrepareConfig(fps=5, min_seconds=1.0))
+    assert s["processed"] == 2 and {r["frames"] for r in _csv(out / "manifest.csv")} == {"8", "10"}
+
+
+def test_list_layout_numeric_labels_and_escaping_paths(tmp_path):
+    frames = np.full((20, 32, 32, 3), 100, np.uint8)
+    src = tmp_path / "src"
+    for n in ("x", "y"):
+        synthetic.write_av(src / "v" / f"{n}.mp4", frames, 10, np.zeros(32000, np.float32), 16000)
+    synthetic.write_av(tmp_path / "outside.mp4", frames, 10, None, 16000)
+    lst = tmp_path / "files.csv"
+    lst.write_text("path,label,split\nv/x.mp4,7,train\nv/y.mp4,3,test\n../outside.mp4,1,train\n"
+                   "v/missing.mp4,1,train\n")
+    out = tmp_path / "out"
+    s = prep.prepare(src, out, layout="list", list_file=lst, workers=1, progress=False,
+                     cfg=prep.PrepareConfig(min_seconds=1.0))
+    rows = {r["source"]: r for r in _csv(out / "manifest.csv")}
+    assert {k: (v["label"], v["split1"]) for k, v in rows.items()} == {"v/x.mp4": ("7", "train"),
+                                                                       "v/y.mp4": ("3", "test")}
+    rejects = {r["file"]: r["reason"] for r in _csv(out / "rejects.csv")}
+    assert rejects["../outside.mp4"].startswith("path escapes the source folder")
+    assert rejects["v/missing.mp4"] == "missing file"
+    assert s["kept"] == 2 and s["rejected"] == 2
+    assert not list(tmp_path.glob("*.webm")) and not (tmp_path / "clips").exists()
+
+
+def _tiny(path):
+    synthetic.write_av(path, np.full((8, 32, 32, 3), 90, np.uint8), 10, np.zeros(8000, np.float32), 16000)
+
+
+def test_official_split_files(tmp_path):
+    cfg = prep.PrepareConfig(min_seconds=0.5)
+    # UCF101: trainlist0k 'Class/v_x.avi 1', testlist0k 'Class/v_x.avi'; group k tests split k
+    ucf, lists = tmp_path / "UCF-101", tmp_path / "ucfTrainTestlist"
+    names = [(c, f"v_{c}_g0{g}_c01.avi") for c in ("ApplyEyeMakeup", "Archery") for g in (1, 2, 3)]
+    for c, f in names:
+        _tiny(ucf / c / f)
+    lists.mkdir()
+    for k in (1, 2, 3):
+        tr = [f"{c}/{f} {1 + (c == 'Archery')}" for c, f in names if f"g0{k}" not in f]
+        te = [f"{c}/{f}" for c, f in names if f"g0{k}" in f]
+        (lists / f"trainlist0{k}.txt").write_text("\r\n".join(tr) + "\r\n")  # as shipped: CRLF
+        (lists / f"testlist0{k}.txt").write_text("\r\n".join(te + ["Archery/v_gone.avi"]) + "\r\n")
+    s = prep.prepare(ucf, tmp_path / "ucf_out", layout="ucf101", splits=lists, workers=1,
+                     progress=False, cfg=cfg)
+    assert any("no file in SRC" in w for w in s["warnings"])
+    for r in _csv(tmp_path / "ucf_out" / "manifest.csv"):
+        g = r["source"].split("_")[-2]
+        assert [r[f"split{k}"] for k in (1, 2, 3)] == [
+            "test" if g == f"g0{k}" else "train" for k in (1, 2, 3)]
+        assert r["label"] == str(int(r["class_name"] == "Archery"))
+    # HMDB51: <class>_test_split<k>.txt '<file> <flag>' with 0 unused, 1 train, 2 test
+    hmdb, splits = tmp_path / "hmdb51", tmp_path / "testTrainMulti_7030_splits"
+    splits.mkdir()
+    flags = {"a.avi": "120", "b.avi": "210", "c.avi": "001"}
+    for f in flags:
+        _tiny(hmdb / "brush_hair" / f)
+    for k in (1, 2, 3):
+        (splits / f"brush_hair_test_split{k}.txt").write_text(
+            "".join(f"{f} {fl[k - 1]} \n" for f, fl in flags.items()))
+    prep.prepare(hmdb, tmp_path / "hmdb_out", layout="hmdb51", splits=splits, workers=1,
+                 progress=False, cfg=cfg)
+    name = {"0": "", "1": "train", "2": "test"}
+    for r in _csv(tmp_path / "hmdb_out" / "manifest.csv"):
+        fl = flags[_name(r["source"])]
+        assert [r[f"split{k}"] for k in (1, 2, 3)] == [name[c] for c in fl]
+
+
+def test_esc50_folds_and_targets(tmp_path):
+    import soundfile as sf
+
+    src = tmp_path / "ESC-50-master"
+    (src / "audio").mkdir(parents=True)
+    (src / "meta").mkdir()
+    lines = ["filename,fold,target,category,esc10,src_file,take"]
+    for fold in (1, 2):
+        for target, cat in ((0, "dog"), (41, "chainsaw")):
+            name = f"{fold}-{target}-A-{target}.wav"
+            t = np.arange(2 * 44100) / 44100  # ESC-50 ships 44.1 kHz
+            sf.write(src / "audio" / name, 0.3 * np.sin(2 * np.pi * (300 + 5 * target) * t), 44100)
+            lines.append(f"{name},{fold},{target},{cat},False,x,A")
+    (src / "meta" / "esc50.csv").write_text("\n".join(lines) + "\n")
+    s = prep.prepare(src, tmp_path / "out", workers=1, progress=False)
+    rows = _csv(tmp_path / "out" / "manifest.csv")
+    assert s["kept"] == 4 and {(r["fold"], r["label"], r["class_name"]) for r in rows} == {
+        ("1", "0", "dog"), ("1", "41", "chainsaw"), ("2", "0", "dog"), ("2", "41", "chainsaw")}
+    for r in rows:
+        assert r["video"] == "" and r["audio_present"] == "1" and float(r["duration"]) == 2.0
+        assert np.load(tmp_path / "out" / r["mel"]).shape == (80, 201)
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prep.main([str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    assert "nowhere: source folder not found" in capsys.readouterr().err
+    (tmp_path / "src").mkdir()
+    with pytest.raises(SystemExit):
+        prep.main([str(tmp_path / "src"), str(tmp_path / "src" / "out")])
+    assert "OUT must be outside SRC" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--short-side", "127"])
+    assert "--short-side must be an even number" in capsys.readouterr().err

@@ -1,0 +1,118 @@
+"""data_dali.synthetic: the redundancy groups follow round(1 / (1 - r)), labels are balanced,
+shapes and seeds behave, and the in-memory clips and the MP4 files draw the same class grating
+(orientation and spatial frequency measured on the pictures, against pi c / C and 2 + c % 3)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from data_dali import synthetic
+
+
+def _grating(img):
+    """(orientation in [0, pi), frequency in cycles per pixel) of a 2-D sinusoidal grating, from
+    its gradients: the structure tensor's main axis, and sqrt(E|grad I|^2 / E(I - mean)^2) = 2 pi f."""
+    img = np.asarray(img, np.float64)
+    img = img - img.mean()
+    gy, gx = np.gradient(img)
+    theta = 0.5 * math.atan2(2 * (gx * gy).mean(), (gx ** 2).mean() - (gy ** 2).mean())
+    freq = math.sqrt((gx ** 2 + gy ** 2).mean() / (img ** 2).mean()) / (2 * math.pi)
+    return theta % math.pi, freq
+
+
+def _angle_gap(a, b):
+    d = abs(a - b) % math.pi
+    return min(d, math.pi - d)
+
+
+@pytest.mark.parametrize("r, size", [(0.0, 1), (0.3, 1), (0.5, 2), (2 / 3, 3), (0.75, 4), (0.9, 10)])
+def test_group_size_is_round_one_over_one_minus_r(r, size):
+    assert synthetic.group_size(r) == size
+    assert [synthetic.instance_group(k, r) for k in range(2 * size)] == [0] * size + [1] * size
+
+
+@pytest.mark.parametrize("r", [-0.1, 1.0, 1.5])
+def test_redundancy_outside_zero_one_is_refused(r):
+    with pytest.raises(ValueError, match="redundancy must be in"):
+        synthetic.ToyAV(num_clips=8, num_classes=2, redundancy=r)
+
+
+def test_clips_of_a_group_share_their_instance_and_other_groups_do_not():
+    C, per_class, r = 3, 8, 0.75  # groups of 4 instances
+    d = synthetic.ToyAV(num_clips=C * per_class, num_classes=C, frames=4, size=12, noise=0.0,
+                        redundancy=r, seed=1)
+    for a in range(len(d)):
+        for b in range(a + 1, len(d)):
+            same_class = a % C == b % C
+            same_group = same_class and (a // C) // 4 == (b // C) // 4
+            assert torch.equal(d.video[a], d.video[b]) == same_group, (a, b)
+            assert torch.equal(d.audio[a], d.audio[b]) == same_group, (a, b)
+    noisy = synthetic.ToyAV(num_clips=C * per_class, num_classes=C, frames=4, size=12,
+                            noise=0.3, redundancy=r, seed=1)
+    assert not torch.equal(noisy.video[0], noisy.video[C])  # near copies: own noise
+
+
+def test_labels_are_balanced_and_shapes_follow_the_arguments():
+    d = synthetic.ToyAV(num_clips=50, num_classes=7, frames=5, size=9, fps=10, n_mels=40)
+    assert torch.equal(d.labels, torch.arange(50) % 7)
+    counts = torch.bincount(d.labels, minlength=7)
+    assert counts.max() - counts.min() <= 1 and counts.sum() == 50
+    assert d.video.shape == (50, 3, 5, 9, 9) and d.audio.shape == (50, 40, 50)  # 100 mel fps
+    assert d.class_names == [f"class{c:02d}" for c in range(7)]
+    loader = synthetic.ToyLoader(d, 10, seed=0, rank=1, world=2, views=2)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5
+    b = batches[0]
+    assert b["video"].shape == b["video2"].shape == (5, 3, 5, 9, 9)
+    assert b["audio"].shape == b["audio2"].shape == (5, 40, 50)
+    assert torch.equal(b["label"], d.labels[b["index"]])
+
+
+def test_same_seed_same_clips_and_epochs_other_seed_other_clips():
+    kw = dict(num_clips=16, num_classes=4, frames=3, size=8)
+    a, b, c = synthetic.ToyAV(seed=5, **kw), synthetic.ToyAV(seed=5, **kw), synthetic.ToyAV(seed=6, **kw)
+    assert torch.equal(a.video, b.video) and torch.equal(a.audio, b.audio)
+    assert not torch.equal(a.video, c.video)
+    la, lb = synthetic.ToyLoader(a, 4, seed=2, views=2), synthetic.ToyLoader(b, 4, seed=2, views=2)
+    for x, y in zip(la, lb):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    la.set_epoch(1)
+    assert not torch.equal(next(iter(la))["index"], next(iter(lb))["index"])
+    # the global batch is the same whatever the number of ranks
+    whole = [x["index"] for x in synthetic.ToyLoader(a, 4, seed=2)]
+    parts = zip(*[synthetic.ToyLoader(a, 4, seed=2, rank=k, world=2) for k in (0, 1)])
+    assert all(torch.equal(torch.cat([p["index"] for p in ps]), w) for ps, w in zip(parts, whole))
+
+
+def test_files_and_memory_draw_the_same_class_grating(tmp_path):
+    av = pytest.importorskip("av")
+    C, W, H = 4, 96, 72
+    src = synthetic.write_dataset(tmp_path, classes=C, per_class=1, seconds=1.0, width=W,
+                                  height=H, noise=0.0, redundancy=0.0)
+    mem = synthetic.ToyAV(num_clips=C, num_classes=C, frames=2, size=64, noise=0.0)
+    for c in range(C):
+        theta, freq = math.pi * c / C, 2.0 + c % 3  # the law, written out
+        with av.open(str(src / f"class{c:02d}" / f"class{c:02d}_000.mp4")) as f:
+            frame = next(f.decode(video=0)).to_ndarray(format="rgb24").mean(-1)
+        t_file, f_file = _grating(frame)
+        t_mem, f_mem = _grating(mem.video[c, :, 0].mean(0).numpy())
+        assert _angle_gap(t_file, theta) < math.radians(3) and _angle_gap(t_mem, theta) < math.radians(3)
+        assert f_file * max(W, H) == pytest.approx(freq, rel=0.1)  # cycles per frame width
+        assert f_mem * 63 == pytest.approx(freq, rel=0.1)  # linspace(0, 1, 64): 63 pixel steps
+        assert synthetic.class_grating(c, C) == pytest.approx((theta, freq))
+    rows = (src / "list.csv").read_text().splitlines()
+    assert rows[0] == "path,label,split" and len(rows) == 1 + C
+
+
+def test_file_clips_of_a_group_share_their_instance(tmp_path):
+    av = pytest.importorskip("av")
+    src = synthetic.write_dataset(tmp_path, classes=1, per_class=4, seconds=1.0, width=64,
+                                  height=48, noise=0.0, redundancy=0.5)  # groups of 2
+    first = []
+    for i in range(4):
+        with av.open(str(src / "class00" / f"class00_{i:03d}.mp4")) as f:
+            first.append(next(f.decode(video=0)).to_ndarray(format="rgb24").astype(float))
+    assert np.abs(first[0] - first[1]).mean() < 1 and np.abs(first[2] - first[3]).mean() < 1
+    assert np.abs(first[0] - first[2]).mean() > 5
