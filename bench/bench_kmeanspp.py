@@ -1,5 +1,7 @@
-"""Benchmark: one dictionary's active selection = grad_embed + k-means++ seeding of k = M centres
-(DESIGN.md §4), `head` view, M = 128, d = 128, d_h = 512.
+"""Benchmark one dictionary's active selection (grad_embed + k-means++) across providers.
+
+The selection = grad_embed + k-means++ seeding of k = M centres (DESIGN.md §4), `head` view,
+M = 128, d = 128, d_h = 512.
 
 Providers (the baselines are imported from kernels/reference.py, never re-implemented here):
   triton        the Triton branch of kernels.select: fused grad_embed emitting |g|^2, row-space
@@ -21,7 +23,10 @@ Bytes a selection must move (fp32), the model behind the GB/s column:
     N*d*4 + M*(d+d_h)*4          read keys, queries, features once
   + N*(a+b+1)*4                  write alpha, beta', |g|^2           (a = d, b = min(M, d_h))
   + k*N*(a+b+2)*4                each of the k steps reads alpha, beta', |g|^2 and D
-Time per selection: median over --repeats (one run for materialised/sklearn), synchronised.
+Time per selection: the median, from triton.testing.do_bench on CUDA and from
+torch.utils.benchmark.Timer.blocked_autorange on CPU (--min-run-time seconds of calls after a
+first, warming one; the slow providers run twice). The sweep is a triton.testing.perf_report
+Benchmark over N with a provider axis (bench/common.py).
 
     python bench/bench_kmeanspp.py --device cpu --sizes 4096 38400 --out bench/results
     python bench/bench_kmeanspp.py --device cuda          # N in {4096, 38400, 150000}
@@ -29,6 +34,7 @@ Time per selection: median over --repeats (one run for materialised/sklearn), sy
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -38,7 +44,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import base_parser, check_device, env_info, report, time_fn  # noqa: E402
+from bench.common import (base_parser, benchmark, check_device, env_info, finish,  # noqa: E402
+                          interpreter_skips, median_ms, report, sweep)
 from kernels import reference as ref  # noqa: E402
 
 GIB = 2**30
@@ -64,8 +71,8 @@ def providers(device) -> dict:
     ``device`` (triton: CUDA, or the interpreter on CPU)."""
 
     def triton_sel(keys, queries, feats, k, seed):
-        from kernels.grad_embed import grad_embed_triton_with_norms
-        from kernels.kmeanspp import kmeanspp_triton
+        from kernels.triton_grad_embed import grad_embed_triton_with_norms
+        from kernels.triton_kmeanspp import kmeanspp_triton
 
         a, b, sqn = grad_embed_triton_with_norms(keys, queries, feats, compress=True)
         return kmeanspp_triton(a, b, k, seed=seed, validate=False, sqn=sqn)
@@ -101,49 +108,48 @@ def bytes_model(n, m, d, dh, k):
     return n * d * 4 + m * (d + dh) * 4 + n * (a + b + 1) * 4 + k * n * (a + b + 2) * 4
 
 
-def run(sizes, device, m=128, d=128, dh=512, repeats=3, mat_cap_gib=2.5, sk_cap_gib=1.0,
-        only=None):
-    info = env_info(device)
-    rows, measured = [], {}  # measured: provider -> [(N, seconds)] actually timed
-    for n in sizes:
-        keys, queries, feats = make_inputs(n, m, d, dh, device)
-        for name, fn in providers(device).items():
-            if only and name not in only:
-                continue
-            row = dict(provider=name, N=n, M=m, d=d, d_h=dh, k=m, **info, extrapolated="", note="")
-            mat_gib = n * d * dh * 4 / GIB
-            if name == "triton" and device == "cpu" and n != min(sizes):
-                print(f"skip triton at N={n}: the interpreter only runs the smallest size")
-                continue
-            cap = sk_cap_gib if name == "sklearn" else mat_cap_gib
-            if name in SLOW and mat_gib > cap:
-                pts = measured.get(name)
-                if not pts:
-                    print(f"skip {name} at N={n}: {mat_gib:.1f} GiB of materialised embeddings > "
-                          f"its cap {cap} GiB and no smaller size was timed")
-                    continue
-                n0, t0 = pts[-1]
-                sec = t0 * n / n0
-                row["extrapolated"] = f"linear in N from N={n0}"
-                print(f"{name} at N={n}: {mat_gib:.1f} GiB > cap; time extrapolated from N={n0}")
-            else:
-                slow = name in SLOW or (name == "triton" and device == "cpu")
-                sec = time_fn(lambda: fn(keys, queries, feats, m, 1), device,
-                              repeats=1 if slow else repeats, warmup=0 if slow else 1)
-                measured.setdefault(name, []).append((n, sec))
-            if name == "triton" and device == "cpu":
-                row["note"] = "interpreter: not a performance figure"
-            row.update(ms=sec * 1e3, gbps=bytes_model(n, m, d, dh, m) / sec / 1e9)
-            rows.append(row)
-            print(f"{name:>12} N={n:>7}: {sec * 1e3:11.2f} ms  {row['gbps']:7.3f} GB/s"
-                  f"{'  (extrapolated)' if row['extrapolated'] else ''}{'  ' + row['note']}",
-                  flush=True)
-    for n in sizes:  # ratios: materialised / this, factored (reference) / this
-        at = {r["provider"]: r["ms"] for r in rows if r["N"] == n}
+def extrapolate(rows, names):
+    """Points of providers ``names`` that were not run (over their cap) get a time linear in N
+    from the largest smaller N that was measured (materialising and every seeding step are
+    linear in N); the row says so."""
+    for name in names:
+        timed = [(r["N"], r["ms"]) for r in rows
+                 if r["provider"] == name and not math.isnan(r["ms"])]
         for r in rows:
-            if r["N"] == n:
-                r["materialised_over_this"] = at.get("materialised", float("nan")) / r["ms"]
-                r["factored_over_this"] = at.get("factored", float("nan")) / r["ms"]
+            if r["provider"] != name or not math.isnan(r["ms"]):
+                continue
+            below = [t for t in timed if t[0] < r["N"]]
+            if not below:
+                print(f"skip {name} at N={r['N']}: over its cap and no smaller size was timed")
+                continue
+            n0, ms0 = max(below)
+            r.update(ms=ms0 * r["N"] / n0, extrapolated=f"linear in N from N={n0}")
+            print(f"{name:>12} N={r['N']:>7}: {r['ms']:11.3f} ms (extrapolated from N={n0})")
+
+
+def run(sizes, device, m=128, d=128, dh=512, min_run_time=1.0, mat_cap_gib=2.5, sk_cap_gib=1.0,
+        only=None):
+    names = [p for p in providers(device) if not only or p in only]
+    caps = dict(materialised=mat_cap_gib, sklearn=sk_cap_gib)
+
+    @benchmark(sizes, names, "selection", M=m, d=d, d_h=dh, k=m)
+    def selection_ms(N, provider, M, d, d_h, k):
+        gib = N * d * d_h * 4 / GIB  # the materialised embeddings
+        if provider in caps and gib > caps[provider]:
+            print(f"{provider} at N={N}: {gib:.1f} GiB of materialised embeddings > its cap "
+                  f"{caps[provider]} GiB; not run")
+            return float("nan")
+        if interpreter_skips(provider, N, sizes, device):
+            return float("nan")
+        keys, queries, feats = make_inputs(N, M, d, d_h, device)
+        fn = providers(device)[provider]
+        return median_ms(lambda: fn(keys, queries, feats, k, 1), device, min_run_time=min_run_time)
+
+    rows = [dict(r, extrapolated="") for r in sweep(selection_ms, env_info(device))]
+    extrapolate(rows, [p for p in SLOW if p in names])
+    rows = finish(rows, device, over=("materialised", "factored"))
+    for r in rows:
+        r["gbps"] = bytes_model(r["N"], m, d, dh, m) / r["ms"] / 1e6
     return rows
 
 
@@ -158,17 +164,12 @@ def main(argv=None):
                         "N = 4096 at d*d_h = 65,536)")
     args = p.parse_args(argv)
     check_device(p, args)
-    rows = run(args.sizes, args.device, repeats=args.repeats,
+    rows = run(args.sizes, args.device, min_run_time=args.min_run_time,
                mat_cap_gib=args.materialised_cap_gib, sk_cap_gib=args.sklearn_cap_gib,
                only=args.providers)
-    keep = [r for r in rows if not r["note"]]  # interpreter timings never reach the CSV/plot
     cols = ["provider", "N", "ms", "gbps", "materialised_over_this", "factored_over_this",
             "extrapolated", "note", "device", "torch", "triton", "date", "commit"]
-    if len(keep) < len(rows):
-        from bench.common import markdown_table
-
-        print(markdown_table([r for r in rows if r["note"]], cols))
-    report(keep, cols, args.out, "selection", "selection: grad_embed + k-means++, k=M=128, d=128, "
+    report(rows, cols, args.out, "selection", "selection: grad_embed + k-means++, k=M=128, d=128, "
            "d_h=512")
     return rows
 

@@ -1,6 +1,8 @@
-"""Benchmark: clips/s of the DALI pipeline vs the PyAV reference loader, same manifest, same
-batch size and worker count, at the paper's clip shape (16 x 112 x 112, with the aligned
-80 x 160 log-mel). Target on a GPU: >= 1,000 clips/s per H100 (more than the trainer eats).
+"""Benchmark the clips/s of the DALI pipeline against the PyAV reference loader.
+
+Same manifest, same batch size and worker count, at the paper's clip shape (16 x 112 x 112,
+with the aligned 80 x 160 log-mel). Target on a GPU: >= 1,000 clips/s per H100 (more than the
+trainer eats). Throughput is whole epochs over wall time, not a per-call timing.
 
     python bench/bench_pipeline.py [--manifest DATA/manifest.csv] [--device cpu|cuda]
 

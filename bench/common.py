@@ -1,15 +1,19 @@
-"""Shared benchmark plumbing: environment record, timing, CSV/Markdown/PNG output.
-The baselines are imported from kernels/reference.py (one baseline for tests and benchmarks)."""
+"""Shared benchmark plumbing: environment record, timing, sweeps, CSV/Markdown/PNG output.
+
+Timing uses the standard tools: ``triton.testing.do_bench`` (median) for CUDA providers,
+``torch.utils.benchmark.Timer(...).blocked_autorange()`` (median) for CPU providers; a sweep is
+declared as a ``triton.testing.perf_report`` / ``Benchmark`` with a ``provider`` axis. The
+baselines are imported from kernels/reference.py (one baseline for tests and benchmarks).
+"""
 
 from __future__ import annotations
 
 import csv
 import datetime
+import math
 import os
 import platform
-import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -49,26 +53,67 @@ def env_info(device: str) -> dict:
                 date=datetime.date.today().isoformat(), commit=git_commit())
 
 
-def sync(device: str):
+def median_ms(fn, device: str, *, min_run_time: float = 1.0) -> float:
+    """Median time of one fn() call in milliseconds. CUDA: ``triton.testing.do_bench`` (its
+    warm-up, L2 flush before each run, CUDA events). CPU: ``torch.utils.benchmark.Timer``'s
+    ``blocked_autorange`` on all of torch's threads (the first call sizes the blocks and warms
+    up; blocks run until ``min_run_time`` seconds are spent, so a slow fn runs twice)."""
     if device == "cuda":
-        torch.cuda.synchronize()
+        from triton.testing import do_bench
+
+        return do_bench(fn, return_mode="median")
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median * 1e3
 
 
-def time_fn(fn, device: str, *, repeats=5, warmup=1, max_seconds=60.0) -> float:
-    """Median wall time of fn() in seconds (synchronised on CUDA); fewer repeats if slow."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    start = time.perf_counter()
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - start > max_seconds:
-            break
-    return statistics.median(times)
+def benchmark(sizes, providers, plot_name: str, **args):
+    """A ``triton.testing.perf_report`` decorator for a sweep over N with a ``provider`` axis;
+    ``args`` are the fixed shape arguments. The decorated fn(N, provider, **args) returns the
+    median ms of that point, or NaN for a point it does not run."""
+    from triton.testing import Benchmark, perf_report
+
+    return perf_report(Benchmark(x_names=["N"], x_vals=list(sizes), line_arg="provider",
+                                 line_vals=list(providers), line_names=list(providers),
+                                 plot_name=plot_name, args=args, xlabel="N", ylabel="ms",
+                                 x_log=True, y_log=True))
+
+
+def sweep(mark, info: dict) -> list[dict]:
+    """Every point of a perf_report ``mark`` in ``Mark.run``'s order (each N, then each
+    provider), as rows {provider, N, <args>, ms, <info>}; NaN ms where a point was not run.
+    (``Mark.run`` itself needs pandas, and rewrites a CSV without the environment columns.)"""
+    bench, rows = mark.benchmarks, []
+    for n in bench.x_vals:
+        for provider in bench.line_vals:
+            ms = mark.fn(N=n, **{bench.line_arg: provider}, **bench.args)
+            rows.append(dict(provider=provider, N=n, **bench.args, ms=ms, **info))
+            if not math.isnan(ms):
+                print(f"{provider:>12} N={n:>7}: {ms:11.3f} ms", flush=True)
+    return rows
+
+
+def interpreter_skips(provider, n, sizes, device) -> bool:
+    """True (and says so) for a triton point on CPU above the smallest size: the interpreter is
+    slow and its timings are not performance figures."""
+    if provider == "triton" and device == "cpu" and n != min(sizes):
+        print(f"skip triton at N={n}: the interpreter only runs the smallest size")
+        return True
+    return False
+
+
+def finish(rows, device, over=("factored",)) -> list[dict]:
+    """Drop the points that were not run, mark interpreter rows, add the ratios
+    '<p>_over_this' = time of provider p / this row's time at the same N."""
+    rows = [r for r in rows if not math.isnan(r["ms"])]
+    for r in rows:
+        r["note"] = "interpreter: not a performance figure" if (
+            r["provider"] == "triton" and device == "cpu") else ""
+        at = {q["provider"]: q["ms"] for q in rows if q["N"] == r["N"]}
+        for p in over:
+            r[f"{p}_over_this"] = at.get(p, float("nan")) / r["ms"]
+    return rows
 
 
 def write_csv(rows: list[dict], path: Path) -> Path:
@@ -168,7 +213,9 @@ def base_parser(doc: str):
     p.add_argument("--device", choices=("cpu", "cuda"),
                    default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", type=int, nargs="+", default=[4096, 38400, 150000])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--min-run-time", type=float, default=1.0,
+                   help="CPU: seconds of timed calls per point after the first (torch.utils."
+                        "benchmark blocked_autorange); CUDA uses triton.testing.do_bench")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"),
                    help="folder for <name>.csv (appended) and <name>.png")
     return p
@@ -181,11 +228,14 @@ def check_device(p, args):
 
 def report(rows, cols, out, name, title) -> None:
     """Print the table; append the rows to OUT/<name>.csv; plot ms vs N (this run's rows) to
-    OUT/<name>.png. bench/report.py re-renders a CSV later."""
+    OUT/<name>.png. Rows with a note (interpreter timings) are printed, never written or
+    plotted. bench/report.py re-renders a CSV later."""
+    if rows:
+        print(markdown_table(rows, cols))
+    rows = [r for r in rows if not r.get("note")]
     if not rows:
-        print("no rows measured (every provider skipped)")
+        print("no rows to write (every provider skipped, or only interpreter timings)")
         return
-    print(markdown_table(rows, cols))
     print(write_csv(rows, Path(out) / f"{name}.csv"))
     print(plot(rows, "N", "ms", "provider", Path(out) / f"{name}.png",
                f"{title}\non {rows[0]['device']}, {rows[0]['date']}"))

@@ -1,6 +1,7 @@
-"""Render benchmark CSVs (bench/results/*.csv, written by bench_*.py) to PNG plots and Markdown
-tables. Each CSV keeps every run; by default only the latest row per (provider, N) on the
-device of the newest row is shown (--device picks another).
+"""Render benchmark CSVs (bench/results/*.csv) to PNG plots and Markdown tables.
+
+The CSVs are written by bench_*.py. Each keeps every run; by default only the latest row per
+(provider, N) on the device of the newest row is shown (--device picks another).
 
     python bench/report.py                                    # every CSV in bench/results
     python bench/report.py bench/results/selection.csv --device H100 --y ms

@@ -1,5 +1,7 @@
-"""pytest-benchmark suite (`make bench`), collected by `pytest bench`, never by `pytest tests`.
-Small sizes so that it runs anywhere; bench_kmeanspp.py / bench_grad_embed.py do the sweeps.
+"""pytest-benchmark suite of the selection ops at small sizes (`make bench`).
+
+Collected by `pytest bench`, never by `pytest tests`. Small sizes so that it runs anywhere;
+bench_kmeanspp.py / bench_grad_embed.py do the sweeps.
 The Triton provider runs only on CUDA (interpreter timings are not performance figures).
 
     python -m pytest bench -q --benchmark-only [--benchmark-json out.json]

@@ -8,14 +8,14 @@ shared memory, registers and spills per kernel variant:
 
     TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--all]
 
-No CUDA driver or device is needed. Needs TRITON_INTERPRET unset/0 *before* ``kernels`` is
-imported (Triton decides between interpreter and compiler when a kernel is defined).
+No CUDA driver or device is needed. Needs TRITON_INTERPRET unset/0 *before* the Triton modules
+(kernels/triton_*.py) are imported: Triton decides between interpreter and compiler when a kernel
+is defined, and the interpreter's kernels cannot be compiled.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import subprocess
 import sys
@@ -28,9 +28,14 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 def _variants(full: bool, ops):
     """(name, jit function, signature, constexprs, options, divisible-by-16 args): the tile
     configurations the host wrappers launch on a GPU."""
-    # (kernels.grad_embed / kernels.kmeanspp the attributes are the dispatching functions)
-    ge = importlib.import_module(f"{__package__}.grad_embed")
-    km = importlib.import_module(f"{__package__}.kmeanspp")
+    from . import triton_grad_embed as ge
+    from . import triton_kmeanspp as km
+
+    if ge.INTERPRETED or km.INTERPRETED:
+        raise RuntimeError("kernels._aot: the Triton kernels are defined for the interpreter "
+                           "(TRITON_INTERPRET=1 when kernels/triton_*.py were imported), which "
+                           "cannot be compiled; run it in a fresh process with TRITON_INTERPRET "
+                           "unset")
 
     f32p = "*fp32"
     ge_sig = dict(k_ptr=f32p, q_ptr=f32p, f_ptr=f32p, alpha_ptr=f32p, beta_ptr=f32p,
@@ -95,10 +100,8 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 def compile_all(arch: int = 90, full: bool = False, ptxas_info: bool = False,
                 ops=("grad_embed", "kmeanspp")) -> list[dict]:
     """Compile the variants of ``ops`` for sm_<arch>; returns [{name, shared, info}]. Raises on
-    the first variant that does not compile (the error names it)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("kernels._aot needs TRITON_INTERPRET unset (or 0) before `import "
-                           "kernels`: the interpreter's kernels cannot be compiled")
+    the first variant that does not compile (the error names it), or if the kernels were
+    defined for the interpreter."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -29,14 +29,13 @@ import triton.language as tl
 
 from . import reference
 
-__all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "MAX_M"]
+__all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "MAX_M", "INTERPRETED"]
 
 MAX_M = 256
 _PRECISIONS = ("ieee", "tf32x3", "tf32")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Triton picks the interpreter or the compiler when a kernel below is defined (TRITON_INTERPRET
+# at import); the host code follows that choice, not the variable's value at call time.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _precision() -> str:
@@ -44,7 +43,7 @@ def _precision() -> str:
     choice = os.environ.get("CMACC_DOT_PRECISION", "ieee").strip().lower() or "ieee"
     if choice not in _PRECISIONS:
         raise ValueError(f"CMACC_DOT_PRECISION={choice!r} is not one of {_PRECISIONS}")
-    return "ieee" if _interpreting() else choice
+    return "ieee" if INTERPRETED else choice
 
 
 def _grad_embed_configs() -> list:
@@ -53,7 +52,7 @@ def _grad_embed_configs() -> list:
     all fit shared memory at M <= 256; BLOCK_N = 64 with 4 warps spills at M = 128, so it is not
     offered. Exactly one config under the interpreter (it cannot benchmark several), with large
     tiles because it is slow per program."""
-    if _interpreting():
+    if INTERPRETED:
         return [triton.Config({"BLOCK_N": 64}, num_warps=4)]
     return [triton.Config({"BLOCK_N": bn}, num_warps=nw, num_stages=2)
             for bn, nw in ((16, 4), (32, 4), (32, 8), (64, 8))]
@@ -175,7 +174,7 @@ def grad_embed_triton_with_norms(
     sqn = torch.empty(n, device=dev, dtype=torch.float32)  # [N]
     if n == 0:
         return alpha, beta, sqn
-    block_d = 128 if _interpreting() else 64
+    block_d = 128 if INTERPRETED else 64
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     _grad_embed_kernel[grid](
         keys, queries, f, alpha, beta, sqn,

@@ -46,7 +46,9 @@ import triton.language as tl
 
 from . import reference
 
-__all__ = ["kmeanspp_triton", "uniform_hash_triton"]
+__all__ = ["kmeanspp_triton", "uniform_hash_triton", "INTERPRETED"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton saw it at definition
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def _step_config(n: int) -> dict:
     is slow per program). On GPU: [128-256, 32] fp32 tiles; ptxas reports ~95-106 registers and
     no spills for sm_90 (offline compile). No autotuning: the launch sequence is CUDA-graph
     captured, and no GPU was available to tune on (see bench/RESULTS.md)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return dict(BLOCK_N=max(16, min(1024, triton.next_power_of_2(n))), BLOCK_K=128,
                     num_warps=4)
     if n >= 65536:

@@ -21,7 +21,11 @@ if not torch.cuda.is_available():  # before any Triton kernel is defined (at ker
 pytest.importorskip("triton")
 
 from kernels import reference as ref  # noqa: E402
-from kernels.grad_embed import MAX_M, grad_embed_triton, grad_embed_triton_with_norms  # noqa: E402
+from kernels.triton_grad_embed import (  # noqa: E402
+    MAX_M,
+    grad_embed_triton,
+    grad_embed_triton_with_norms,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [  # N, M, d, d_h

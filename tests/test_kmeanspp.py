@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 
 import kernels  # noqa: E402
 from kernels import reference as ref  # noqa: E402
-from kernels.grad_embed import grad_embed_triton, grad_embed_triton_with_norms  # noqa: E402
-from kernels.kmeanspp import kmeanspp_triton, uniform_hash_triton  # noqa: E402
+from kernels.triton_grad_embed import grad_embed_triton, grad_embed_triton_with_norms  # noqa: E402
+from kernels.triton_kmeanspp import kmeanspp_triton, uniform_hash_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
