@@ -15,7 +15,7 @@ $(STAMP): requirements.txt setup.py
 	touch $(STAMP)
 
 demo: install
-	$(PY) -m cmacc.demo --out runs/demo
+	$(PY) -m cmacc.apps.demo --out runs/demo
 
 test: install
 	$(PY) -m pytest tests -q -p no:cacheprovider

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes (temp file + rename), weights_only loads, latest-valid resume.
+"""Checkpoints: atomic writes, weights_only loads, latest-valid resume, RNG state capture.
 
 A checkpoint holds plain containers and tensors only (configs as dicts, RNG states as
 tensors), so ``torch.load(..., weights_only=True)`` loads it and evaluating a checkpoint that
@@ -8,13 +8,14 @@ someone shared never runs code.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import re
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from data_dali.fileio import atomic_path
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
@@ -39,14 +40,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_atomic(obj, path: str | os.PathLike) -> Path:
+def save_atomic(obj, path) -> Path:
+    """Write ``obj`` to ``path`` (temporary sibling, fsync, rename): a crash leaves either the
+    old file or the new one, never a partial one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
     return path
 
 

@@ -1,5 +1,14 @@
-"""Typed configuration. Each dataclass rejects bad values in ``__post_init__`` with a
-``ValueError`` that names the field and what to do; ``train.py`` maps argparse onto these."""
+"""Typed configuration: one dataclass per concern, the presets as instances, and the JSON
+round trip a checkpoint stores.
+
+    Config(model=ModelConfig(...), selection=SelectionConfig(...), data=DataConfig(...),
+           optim=OptimConfig(...), run=RunConfig(...))
+
+Each dataclass rejects bad values in ``__post_init__`` with a one-line ``ValueError`` that
+names the field and what to do; ``Config`` adds the checks that span concerns (pool vs
+dictionary size, SMoCo's sampler, the batch split over ranks). ``train.py`` maps its flags onto
+these fields; the apps derive their runs from a preset with ``Config.replace``.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +24,26 @@ SAMPLERS = ("random", "active", "active-feature", "ohem")
 GRAD_VIEWS = ("head", "queries")
 POOL_MODES = ("rolling", "epoch")
 DICT_INITS = ("encode", "random")
+AMPS = ("none", "bf16", "fp16")
+LOADERS = ("auto", "dali", "reference")
+
+
+def _choice(name, value, choices):
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {choices}")
+
+
+def _positive(obj, *names):
+    for name in names:
+        if getattr(obj, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(obj, name)}")
 
 
 @dataclass
 class ModelConfig:
+    """The networks and the contrastive objective (DESIGN.md §1)."""
+
     objective: str = "cross"
-    sampler: str = "active"  # "random" = XMoCo, "active" = CM-ACC
-    grad_view: str = "head"
-    pool_mode: str = "rolling"
     fcl: bool = True
     video_arch: str = "r3d_18"
     video_width: int = 64
@@ -34,9 +55,7 @@ class ModelConfig:
     fcl_dim: int = 512  # d_h when fcl is on
     batch_size: int = 128  # M: global mini-batch
     dict_size: int = 30 * 128  # K
-    pool_size: int = 300 * 128  # N
     tau: float = 0.7
-    tau_p: float = 1.0  # pseudo-posterior temperature (paper eq. 5: 1)
     momentum: float = 0.999
     seed: int = 0
 
@@ -44,83 +63,211 @@ class ModelConfig:
         self.video_layers = tuple(self.video_layers)
         self.audio_layers = tuple(self.audio_layers)
         _choice("objective", self.objective, OBJECTIVES)
+        _choice("video_arch", self.video_arch, VIDEO_ARCHS)
+        _positive(self, "video_width", "audio_width", "n_mels", "dim", "fcl_dim", "batch_size",
+                  "dict_size")
+        if self.dict_size < self.batch_size:
+            raise ValueError(f"dict_size K={self.dict_size} must be >= batch_size M="
+                             f"{self.batch_size} (each step enqueues M keys); the paper uses K = 30 * M")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.tau <= 0:
+            raise ValueError(f"tau must be > 0, got {self.tau}")
+
+
+@dataclass
+class SelectionConfig:
+    """What is enqueued into the dictionaries each step, and from which pool (DESIGN.md §1)."""
+
+    sampler: str = "active"  # "random" = XMoCo, "active" = CM-ACC
+    grad_view: str = "head"
+    pool_mode: str = "rolling"
+    pool_size: int = 300 * 128  # N
+    tau_p: float = 1.0  # pseudo-posterior temperature (paper eq. 5: 1)
+
+    def __post_init__(self):
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("grad_view", self.grad_view, GRAD_VIEWS)
         _choice("pool_mode", self.pool_mode, POOL_MODES)
-        _choice("video_arch", self.video_arch, VIDEO_ARCHS)
-        for name in ("video_width", "audio_width", "n_mels", "dim", "fcl_dim", "batch_size",
-                     "dict_size", "pool_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dict_size < self.batch_size:
-            raise ValueError(
-                f"dict_size K={self.dict_size} must be >= batch_size M={self.batch_size} (each "
-                "step enqueues M keys); the paper uses K = 30 * M"
-            )
-        if self.sampler != "random" and self.pool_size < self.dict_size + self.batch_size:
-            raise ValueError(
-                f"pool_size N={self.pool_size} must be >= K + M = "
-                f"{self.dict_size + self.batch_size} for sampler {self.sampler!r} (candidates "
-                "already in the dictionary are excluded); the paper uses N = 300 * M"
-            )
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.tau <= 0 or self.tau_p <= 0:
-            raise ValueError(f"temperatures must be > 0, got tau={self.tau}, tau_p={self.tau_p}")
-        if self.objective == "smoco" and self.sampler != "random":
-            raise ValueError(
-                f"objective 'smoco' (unimodal MoCo baseline) uses random sampling; got sampler "
-                f"{self.sampler!r}: pass --sampler random"
-            )
+        _positive(self, "pool_size")
+        if self.tau_p <= 0:
+            raise ValueError(f"tau_p must be > 0, got {self.tau_p}")
+
+
+@dataclass
+class DataConfig:
+    """Where clips come from and their shape: a prepared manifest or the synthetic clips."""
+
+    source: str = "synthetic"  # "synthetic" (in-memory clips) or a manifest.csv path
+    frames: int = 16  # T
+    size: int = 112  # crop side S
+    loader: str = "auto"  # manifest backend: DALI, the PyAV reference, or auto
+    workers: int = 2  # reference-loader worker processes
+    # synthetic clips only
+    clips: int = 1024
+    classes: int = 10
+    redundancy: float = 0.0
+    noise: float = 0.3
+
+    def __post_init__(self):
+        _choice("loader", self.loader, LOADERS)
+        _positive(self, "frames", "size", "clips", "classes")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if not 0.0 <= self.redundancy < 1.0:
+            raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
+        if self.noise < 0:
+            raise ValueError(f"noise must be >= 0, got {self.noise}")
+
+    @property
+    def synthetic(self) -> bool:
+        return self.source == "synthetic"
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser, schedule and numerics."""
+
+    lr: float = 1e-3
+    warmup: int = 500  # iterations of linear warm-up (paper: Adam 1e-3 after 500)
+    weight_decay: float = 0.0
+    amp: str = "none"  # autocast dtype
+    channels_last: bool = True  # channels_last_3d video encoders
+    compile: bool = False  # torch.compile the backbones
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.warmup < 0 or self.weight_decay < 0:
+            raise ValueError(f"warmup and weight_decay must be >= 0, got {self.warmup}, "
+                             f"{self.weight_decay}")
+        _choice("amp", self.amp, AMPS)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then constant."""
+        return self.lr * min(1.0, (step + 1) / self.warmup) if self.warmup else self.lr
+
+
+@dataclass
+class RunConfig:
+    """Length, outputs, resumption and devices of one run."""
+
+    steps: int = 1000
+    out: str = "runs/default"
+    resume: str = "auto"  # auto | none | a checkpoint path
+    device: str = "cpu"
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: only at the end (and on a stop signal)
+    tensorboard: bool = False
+    dict_init: str = "encode"
+    shuffle_bn: bool = True
+
+    def __post_init__(self):
+        _positive(self, "steps", "log_every")
+        if self.ckpt_every < 0:
+            raise ValueError(f"ckpt_every must be >= 0, got {self.ckpt_every}")
+        _choice("device", self.device, ("cpu", "cuda"))
+        _choice("dict_init", self.dict_init, DICT_INITS)
+
+
+SECTIONS = {"model": ModelConfig, "selection": SelectionConfig, "data": DataConfig,
+            "optim": OptimConfig, "run": RunConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        check_method(self.model, self.selection)
+
+    def replace(self, **sections: dict) -> Config:
+        """A copy with fields overridden per section, re-validated:
+        ``cfg.replace(run=dict(steps=10), selection=dict(sampler="random"))``."""
+        bad = sorted(set(sections) - set(SECTIONS))
+        if bad:
+            raise ValueError(f"unknown config sections {bad}; use {sorted(SECTIONS)}")
+        parts = {name: getattr(self, name) for name in SECTIONS}
+        for name, values in sections.items():
+            fields = {f.name for f in dataclasses.fields(SECTIONS[name])}
+            unknown = sorted(set(values) - fields)
+            if unknown:
+                raise ValueError(f"unknown {name} settings {unknown}; valid: {sorted(fields)}")
+            parts[name] = dataclasses.replace(parts[name], **values)
+        return Config(**parts)
+
+    def to_dict(self) -> dict:
+        """Plain containers only (safe for weights_only checkpoints and JSON)."""
+        return {name: to_dict(getattr(self, name)) for name in SECTIONS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Config:
+        return cls(**{name: SECTIONS[name](**d[name]) for name in SECTIONS if name in d})
 
     @property
     def method(self) -> str:
-        if self.objective == "smoco":
-            return "SMoCo"
-        name = {"random": "XMoCo", "active": "CM-ACC", "active-feature": "CM-ACC(feature)",
-                "ohem": "XMoCo+OHEM"}[self.sampler]
-        return name if self.fcl else f"{name} (w/o fcl)"
+        return method_name(self.model, self.selection)
 
 
-def _choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}")
+def check_method(model: ModelConfig, sel: SelectionConfig) -> None:
+    """Checks that span the model and the selection."""
+    if model.objective == "smoco" and sel.sampler != "random":
+        raise ValueError(f"objective 'smoco' (unimodal MoCo baseline) uses random sampling; got "
+                         f"sampler {sel.sampler!r}: pass --sampler random")
+    if sel.sampler != "random" and sel.pool_size < model.dict_size + model.batch_size:
+        raise ValueError(
+            f"pool_size N={sel.pool_size} must be >= K + M = {model.dict_size + model.batch_size} "
+            f"for sampler {sel.sampler!r} (candidates already in the dictionary are excluded); "
+            "the paper uses N = 300 * M")
+
+
+def method_configs(**fields) -> tuple[ModelConfig, SelectionConfig]:
+    """(ModelConfig, SelectionConfig) from one flat set of fields, each to its dataclass:
+    ``CMACC(*method_configs(sampler="random", batch_size=8, dict_size=16))``."""
+    names = {f.name for f in dataclasses.fields(SelectionConfig)}
+    sel = {k: v for k, v in fields.items() if k in names}
+    model = ModelConfig(**{k: v for k, v in fields.items() if k not in names})
+    selection = SelectionConfig(**sel)
+    check_method(model, selection)
+    return model, selection
+
+
+def method_name(model: ModelConfig, sel: SelectionConfig) -> str:
+    if model.objective == "smoco":
+        return "SMoCo"
+    name = {"random": "XMoCo", "active": "CM-ACC", "active-feature": "CM-ACC(feature)",
+            "ohem": "XMoCo+OHEM"}[sel.sampler]
+    return name if model.fcl else f"{name} (w/o fcl)"
 
 
 def to_dict(cfg) -> dict:
-    """Plain containers only (safe for weights_only checkpoints and JSON)."""
-    d = dataclasses.asdict(cfg)
-    return json.loads(json.dumps(d))
+    """A dataclass as plain containers (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def config_hash(*cfgs) -> str:
+    """What must match for a checkpoint to resume: a short hash of these configs."""
     blob = json.dumps([to_dict(c) for c in cfgs], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-@dataclass
-class TrainConfig:
-    steps: int = 1000
-    lr: float = 1e-3
-    warmup: int = 500  # iterations of linear warm-up (paper: Adam 1e-3 after 500)
-    weight_decay: float = 0.0
-    log_every: int = 10
-    amp: str = "none"  # none | bf16 | fp16
-    channels_last: bool = True
-    dict_init: str = "encode"
-    out: str = "runs/default"
-    device: str = "cpu"
-    extra: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.log_every < 1:
-            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
-        _choice("amp", self.amp, ("none", "bf16", "fp16"))
-        _choice("dict_init", self.dict_init, DICT_INITS)
-        _choice("device", self.device, ("cpu", "cuda"))
+PRESETS = {
+    # DESIGN.md §1 / paper §5: M=128, K=30M, N=300M, tau=0.7, m=0.999, Adam 1e-3, 500 warm-up
+    "paper": Config(model=ModelConfig(batch_size=128, dict_size=30 * 128),
+                    selection=SelectionConfig(pool_size=300 * 128),
+                    data=DataConfig(frames=16, size=112),
+                    optim=OptimConfig(lr=1e-3, warmup=500, amp="bf16"),
+                    run=RunConfig(steps=100_000, out="runs/paper")),
+    # CPU in seconds: narrow, shallow encoders on 8x32x32 clips
+    "tiny": Config(model=ModelConfig(batch_size=16, dict_size=64, video_width=8,
+                                     video_layers=(1, 1, 1, 1), audio_width=8,
+                                     audio_layers=(1, 1, 1, 1), fcl_dim=64, dim=32, momentum=0.99),
+                   selection=SelectionConfig(pool_size=192),
+                   data=DataConfig(frames=8, size=32, clips=256, classes=8, noise=1.0),
+                   optim=OptimConfig(lr=1e-3, warmup=10, amp="none"),
+                   run=RunConfig(steps=200, log_every=10, out="runs/tiny")),
+}

@@ -1,7 +1,10 @@
-"""Distributed helpers. Every function is the identity at world size 1 (or without
-torch.distributed initialised), so the method runs unchanged in one process."""
+"""Distributed helpers: rank queries, gathers, MoCo's shuffle-BN, and the checks that ranks
+agree. Every function is the identity at world size 1 (or without torch.distributed
+initialised), so the method runs unchanged in one process."""
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -60,3 +63,56 @@ def batch_unshuffle(x: torch.Tensor, unshuffle: torch.Tensor | None) -> torch.Te
     xs = gather_cat(x)
     r = rank()
     return xs[unshuffle[r * local:(r + 1) * local]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks must agree: config, weights, dictionaries, the last selection
+# ----------------------------------------------------------------------------------------------
+FINGERPRINT_FIELDS = ("config", "key encoders", "query encoders", "dictionary keys",
+                      "dictionary indices", "selected indices")
+
+
+@torch.no_grad()
+def fingerprint(model, config_hash: str, enq_index: torch.Tensor | None) -> torch.Tensor:
+    """float64 [6]: config hash, key-encoder and query-encoder weight sums, dictionary keys and
+    indices, the indices enqueued last. Equal on all ranks iff the run is in lock-step."""
+    dev = model.dict_v.keys.device
+    f = torch.zeros(6, dtype=torch.float64, device=dev)
+    f[0] = float(zlib.crc32(config_hash.encode()))
+    f[1] = sum(p.double().sum() for p in model.h_v.parameters()) + sum(
+        p.double().sum() for p in model.h_a.parameters())
+    f[2] = sum(p.double().sum() for p in model.f_v.parameters()) + sum(
+        p.double().sum() for p in model.f_a.parameters())
+    f[3] = model.dict_v.keys.double().sum() + model.dict_a.keys.double().sum()
+    w = torch.arange(1, model.dict_v.index.numel() + 1, device=dev, dtype=torch.float64)
+    f[4] = (model.dict_v.index.double() * w).sum() + (model.dict_a.index.double() * w).sum()
+    if enq_index is not None:
+        f[5] = (enq_index.double() * torch.arange(1, enq_index.numel() + 1, device=dev)).sum()
+    return f
+
+
+def verify_ranks_agree(model, config_hash: str, enq_index, step: int) -> None:
+    """All-gather the fingerprint; raise RuntimeError naming what differs. Call at log
+    intervals only (it syncs)."""
+    if world_size() == 1:
+        return
+    f = fingerprint(model, config_hash, enq_index)
+    parts = [torch.empty_like(f) for _ in range(world_size())]
+    dist.all_gather(parts, f)
+    for r, p in enumerate(parts):
+        bad = [FINGERPRINT_FIELDS[i] for i in range(6) if p[i].item() != parts[0][i].item()]
+        if bad:
+            raise RuntimeError(
+                f"ranks diverged at step {step}: rank {r} differs from rank 0 in "
+                f"{', '.join(bad)}. Check that every rank runs the same code, flags and data "
+                "manifest; the last checkpoint is kept"
+            )
+
+
+def any_rank(flag: bool, device) -> bool:
+    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; syncs)."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

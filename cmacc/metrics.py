@@ -1,12 +1,17 @@
-"""Metrics: negative-category diversity, a CSV metrics log, and a PNG plot of it."""
+"""What a training run measures, without host syncs in the step: negative-category diversity,
+named running means, section timings, model FLOPs and the device's peak for utilisation."""
 
 from __future__ import annotations
 
-import csv
-import os
-from pathlib import Path
+import time
 
 import torch
+import torch.distributed as dist
+
+from . import distributed as du
+
+# dense bf16 tensor-core peak (FLOP/s) by device name, for model FLOP utilisation
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
 def category_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
@@ -20,52 +25,91 @@ def category_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: i
     return present.mean()
 
 
-class CSVLog:
-    """Append-only CSV with a fixed header; flushed after every row (nothing finished is lost)."""
+class RunningMeans:
+    """Named per-step scalars summed on the device; ``means()`` averages them over the steps
+    since the last call and across ranks (one all-reduce, the only sync)."""
 
-    def __init__(self, path, fields: list[str]):
-        self.path, self.fields = Path(path), fields
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new = not self.path.exists() or self.path.stat().st_size == 0
-        self.f = open(self.path, "a", newline="")
-        self.w = csv.DictWriter(self.f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            self.w.writeheader()
+    def __init__(self, names: tuple[str, ...], device):
+        self.names = tuple(names)
+        self.sums = torch.zeros(len(self.names), device=device, dtype=torch.float64)
+        self.count = 0
 
-    def write(self, row: dict) -> None:
-        self.w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-        self.f.flush()
-        os.fsync(self.f.fileno())
+    def add(self, **values: torch.Tensor) -> None:
+        if set(values) != set(self.names):
+            raise KeyError(f"RunningMeans.add needs exactly {self.names}, got {sorted(values)}")
+        self.sums += torch.stack([values[n].detach().double().reshape(()) for n in self.names])
+        self.count += 1
 
-    def close(self):
-        self.f.close()
-
-
-def read_csv(path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    def means(self) -> dict[str, float]:
+        if du.world_size() > 1:
+            dist.all_reduce(self.sums)
+            self.sums /= du.world_size()
+        vals = (self.sums / max(1, self.count)).tolist()
+        self.sums.zero_()
+        self.count = 0
+        return dict(zip(self.names, vals))
 
 
-def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diversity", "gnorm")) -> Path:
-    """One panel per metric, one line per run (label → metrics.csv). Returns the PNG path."""
-    import matplotlib
+class SectionTimer:
+    """Accumulates named sections. On CUDA it records events and reads them only in
+    ``collect`` (no host sync in the step); on CPU it uses perf_counter."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.pending, self.total = [], {}
 
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4))
-    for ax, key in zip(axes, keys):
-        for label, path in csv_paths.items():
-            rows = [r for r in read_csv(path) if r.get(key) not in (None, "", "nan")]
-            if rows:
-                ax.plot([int(r["step"]) for r in rows], [float(r[key]) for r in rows], label=label)
-        ax.set_xlabel("step")
-        ax.set_title(key)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, name, start):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pending.append((name, start, e))
+        else:
+            self.total[name] = self.total.get(name, 0.0) + time.perf_counter() - start
+
+    def collect(self) -> dict:
+        """Seconds per section since the last collect (syncs on CUDA)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for name, s, e in self.pending:
+                self.total[name] = self.total.get(name, 0.0) + s.elapsed_time(e) / 1e3
+        out, self.pending, self.total = self.total, [], {}
+        return out
+
+
+def flops_of(fn) -> float:
+    """FLOPs of ``fn()`` counted by PyTorch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def model_flops_per_clip(model, video, audio) -> float:
+    """Training FLOPs per clip: 3x the query encoders' forward (forward + backward) plus the
+    key encoders' forward, counted on one clip with copies of the encoders."""
+    import copy
+
+    fv, fa = copy.deepcopy(model.f_v), copy.deepcopy(model.f_a)
+    with torch.no_grad():
+        fwd = flops_of(lambda: fv(video[:1])) + flops_of(lambda: fa(audio[:1]))
+    return 4.0 * fwd
+
+
+def peak_flops(device) -> float | None:
+    """Dense bf16 peak of a known GPU; None where unknown (CPU included)."""
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, val in PEAK_FLOPS.items():
+        if key in name:
+            return val
+    return None

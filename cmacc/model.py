@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import distributed as du
-from .config import ModelConfig
+from .config import ModelConfig, SelectionConfig, check_method, method_name
 from .encoders import AudioResNet1d, Encoder, key_copy, momentum_update, video_backbone
 from .queues import KeyPool, KeyQueue
 from .samplers import select, selection_seed
@@ -40,11 +40,15 @@ def contrastive_loss(q, k_pos, negatives, tau):
 
 
 class CMACC(nn.Module):
-    def __init__(self, cfg: ModelConfig, backbones: tuple[nn.Module, nn.Module] | None = None):
-        """``backbones`` (optional) replaces the video and audio backbones by any two modules
-        with an ``out_dim`` attribute (e.g. the image CNNs of the mutual-information study)."""
+    def __init__(self, cfg: ModelConfig, selection: SelectionConfig | None = None, *,
+                 backbones: tuple[nn.Module, nn.Module] | None = None):
+        """``selection`` defaults to CM-ACC's (active, head view, rolling pool of
+        SelectionConfig's size). ``backbones`` (optional) replaces the video and audio backbones
+        by any two modules with an ``out_dim`` attribute (e.g. the image CNNs of the
+        mutual-information study)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.sel = cfg, selection if selection is not None else SelectionConfig()
+        check_method(cfg, self.sel)
         fcl = cfg.fcl_dim if cfg.fcl else None
         if backbones is None:
             backbones = (video_backbone(cfg.video_arch, cfg.video_width, cfg.video_layers),
@@ -65,10 +69,14 @@ class CMACC(nn.Module):
             self.h_a.fcl.load_state_dict(self.f_v.fcl.state_dict())
         self.dict_v = KeyQueue(cfg.dict_size, cfg.dim)  # D_v: video keys
         self.dict_a = KeyQueue(cfg.dict_size, cfg.dim)  # D_a: audio keys
-        self.pool_v = KeyPool(cfg.pool_size, cfg.dim)  # U_v
-        self.pool_a = KeyPool(cfg.pool_size, cfg.dim)  # U_a
+        self.pool_v = KeyPool(self.sel.pool_size, cfg.dim)  # U_v
+        self.pool_a = KeyPool(self.sel.pool_size, cfg.dim)  # U_a
         self.shuffle_bn = True  # MoCo's shuffle-BN in the key encoders (world size > 1)
-        self.timer = None  # optional engine.SectionTimer: times the active selection
+        self.timer = None  # optional metrics.SectionTimer: times the active selection
+
+    @property
+    def method(self) -> str:
+        return method_name(self.cfg, self.sel)
 
     @property
     def cross_fcl(self) -> bool:
@@ -114,7 +122,7 @@ class CMACC(nn.Module):
         # active once the pool can hold the dictionary plus a batch: U \ D then has >= M
         # candidates (before that, and for XMoCo, the batch keys are enqueued: warm-up)
         ready = min(self.pool_v.size, cfg.dict_size + index_all.shape[0])
-        active = cfg.sampler != "random" and self.pool_v.count >= ready
+        active = self.sel.sampler != "random" and self.pool_v.count >= ready
         if active:  # paper Alg. 1 lines 10-21: select, enqueue, then the loss
             q_v_all, h_v_all = du.gather_cat(q_v.detach()), du.gather_cat(h_v.detach().float())
             q_a_all, h_a_all = du.gather_cat(q_a.detach()), du.gather_cat(h_a.detach().float())
@@ -135,7 +143,7 @@ class CMACC(nn.Module):
             self.dict_v.enqueue(k_v_all, index_all)
             self.dict_a.enqueue(k_a_all, index_all)
             stats["enq_index_v"] = stats["enq_index_a"] = index_all
-        if cfg.pool_mode == "rolling":
+        if self.sel.pool_mode == "rolling":
             self.pool_v.push(k_v_all, index_all)
             self.pool_a.push(k_a_all, index_all)
         stats.update(loss_va=loss_va.detach(), loss_av=loss_av.detach(),
@@ -144,9 +152,9 @@ class CMACC(nn.Module):
 
     def _select(self, pool, dictionary, queries, feats, m, step, which):
         pk, pi = pool.valid()
-        return select(self.cfg.sampler, pool_keys=pk, pool_index=pi, dict_index=dictionary.index,
-                      queries=queries, feats=feats, m=m, tau_p=self.cfg.tau_p,
-                      view=self.cfg.grad_view, seed=selection_seed(self.cfg.seed, step, which))
+        return select(self.sel.sampler, pool_keys=pk, pool_index=pi, dict_index=dictionary.index,
+                      queries=queries, feats=feats, m=m, tau_p=self.sel.tau_p,
+                      view=self.sel.grad_view, seed=selection_seed(self.cfg.seed, step, which))
 
     def _smoco(self, q_v, q_a, index, video2, audio2):
         if video2 is None or audio2 is None:

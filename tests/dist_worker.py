@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from cmacc import distributed as du
-from cmacc.config import ModelConfig
-from cmacc.engine import verify_ranks_agree
+from cmacc.config import method_configs
+from cmacc.distributed import verify_ranks_agree
 from cmacc.model import CMACC
 
 CFG = dict(batch_size=8, dict_size=16, pool_size=40, video_width=4, video_layers=(1, 1, 1, 1),
@@ -44,7 +44,7 @@ def eval_bn(model):
 def main(out):
     # 1a. single process, before the process group exists (world size 1)
     torch.manual_seed(0)
-    ref = CMACC(ModelConfig(sampler="random", **CFG))
+    ref = CMACC(*method_configs(sampler="random", **CFG))
     eval_bn(ref)
     ref.shuffle_bn = False
     v, a, idx = global_batch(0)
@@ -57,7 +57,7 @@ def main(out):
     per = 8 // w
     # 1b. DDP over 2 ranks, same global batch split
     torch.manual_seed(0)
-    model = CMACC(ModelConfig(sampler="random", **CFG))
+    model = CMACC(*method_configs(sampler="random", **CFG))
     eval_bn(model)
     model.shuffle_bn = False
     ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -71,7 +71,7 @@ def main(out):
 
     # 2. lock-step active sampling with shuffle-BN on, train-mode BN, rank-local seeds differ
     torch.manual_seed(1)
-    model = CMACC(ModelConfig(sampler="active", **CFG))
+    model = CMACC(*method_configs(sampler="active", **CFG))
     ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     opt = torch.optim.Adam(model.query_parameters(), lr=1e-3)
     torch.manual_seed(1000 + r)  # different local RNG streams must not matter

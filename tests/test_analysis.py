@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cmacc import analysis, mi
+from cmacc.apps import analysis, mi
 
 
 def test_gallery_orders_hard_before_easy(tiny_run, tmp_path):

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from cmacc import eval as ev
+from cmacc.apps import eval as ev
+from cmacc.config import DataConfig
+from cmacc.data import eval_splits
 from cmacc.probe import linear_probe
 
 
@@ -37,7 +39,8 @@ def test_linear_probe_rejects_empty_split():
 
 
 def test_toy_split_is_disjoint_and_class_balanced():
-    ds = ev.ToySplits({"clips": 96, "classes": 6, "frames": 4, "size": 16}, seed=0)
+    ds = eval_splits("synthetic", DataConfig(clips=96, classes=6, frames=4, size=16), 0,
+                     modality="video")
     (_, tr, te), = ds.splits()
     assert not set(tr.tolist()) & set(te.tolist())
     assert sorted(tr.tolist() + te.tolist()) == list(range(96))

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cmacc.config import ModelConfig
+from cmacc.config import method_configs
 from cmacc.encoders import AudioResNet1d, video_backbone
 from cmacc.model import CMACC, contrastive_loss
 from cmacc.queues import KeyPool, KeyQueue
@@ -19,7 +19,7 @@ TINY = dict(batch_size=4, dict_size=10, pool_size=30, video_width=4, video_layer
 
 
 def tiny_cfg(**kw):
-    return ModelConfig(**{**TINY, **kw})
+    return method_configs(**{**TINY, **kw})
 
 
 def tiny_batch(b=4, seed=0):
@@ -79,7 +79,7 @@ def test_scaled_video_backbone_runs(arch):
 
 # -- momentum -------------------------------------------------------------------------------
 def test_momentum_update_with_cross_modal_fcl_rule():
-    model = CMACC(tiny_cfg())
+    model = CMACC(*tiny_cfg())
     for p in model.parameters():  # make query and key weights all differ
         p.data.normal_()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -97,7 +97,7 @@ def test_momentum_update_with_cross_modal_fcl_rule():
 
 
 def test_momentum_update_without_fcl_is_same_modality():
-    model = CMACC(tiny_cfg(fcl=False))
+    model = CMACC(*tiny_cfg(fcl=False))
     assert model.f_v.fcl is None
     for p in model.parameters():
         p.data.normal_()
@@ -109,7 +109,7 @@ def test_momentum_update_without_fcl_is_same_modality():
 
 
 def test_key_encoders_get_no_gradient():
-    model = CMACC(tiny_cfg(sampler="random"))
+    model = CMACC(*tiny_cfg(sampler="random"))
     v, a, idx = tiny_batch()
     loss, _ = model(v, a, idx, step=0)
     loss.backward()
@@ -137,7 +137,7 @@ def test_contrastive_loss_equals_hand_computation():
 
 
 def test_cross_modal_loss_uses_the_other_modalitys_dictionary():
-    model = CMACC(tiny_cfg(sampler="random"))
+    model = CMACC(*tiny_cfg(sampler="random"))
     v, a, idx = tiny_batch()
     dv, da = model.dict_v.keys.clone(), model.dict_a.keys.clone()
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def test_sampler_drops_exclusion_when_too_few_candidates_remain():
 
 
 def test_active_model_enqueues_selected_pool_keys_before_the_loss():
-    model = CMACC(tiny_cfg(sampler="active", pool_size=30))
+    model = CMACC(*tiny_cfg(sampler="active", pool_size=30))
     seen, n_active = set(), 0
     for step in range(8):
         v, a, idx = tiny_batch(seed=step)
@@ -228,7 +228,7 @@ def test_active_model_enqueues_selected_pool_keys_before_the_loss():
 
 
 def test_smoco_needs_second_view_and_runs():
-    model = CMACC(tiny_cfg(objective="smoco", sampler="random"))
+    model = CMACC(*tiny_cfg(objective="smoco", sampler="random"))
     v, a, idx = tiny_batch()
     with pytest.raises(ValueError, match="second augmented view"):
         model(v, a, idx, step=0)

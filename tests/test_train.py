@@ -69,7 +69,7 @@ def test_config_file_and_flag_precedence(tmp_path):
     out = tmp_path / "run"
     train.main(TINY + ["--config", str(cfg), "--steps", "6", "--out", str(out)])
     state = ckpt.load(out / "ckpt_00000006.pt")  # the flag (6) beat the file (4)
-    assert state["model_config"]["sampler"] == "ohem"
+    assert state["config"]["selection"]["sampler"] == "ohem"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"samplr": "ohem"}))
     with pytest.raises(SystemExit):

@@ -1,10 +1,10 @@
 """The paper's analyses as commands that write PNG plots and a Markdown report.
 
-    python -m cmacc.analysis diversity --out runs/analysis [--steps 120]   # Fig. 3: samplers
-    python -m cmacc.analysis dictsize  --out runs/analysis [--sizes 32 64 128]
-    python -m cmacc.analysis gallery   runs/analysis/active --out runs/analysis
-    python -m cmacc.analysis perclass  runs/analysis/active --out runs/analysis
-    python -m cmacc.analysis all       --out runs/analysis        # everything + report.md
+    python -m cmacc.apps.analysis diversity --out runs/analysis [--steps 120]   # Fig. 3
+    python -m cmacc.apps.analysis dictsize  --out runs/analysis [--sizes 32 64 128]
+    python -m cmacc.apps.analysis gallery   runs/analysis/active --out runs/analysis
+    python -m cmacc.apps.analysis perclass  runs/analysis/active --out runs/analysis
+    python -m cmacc.apps.analysis all       --out runs/analysis    # everything + report.md
 
 The training runs use the tiny preset on the built-in synthetic clips (CPU); pass
 ``--data MANIFEST`` to pretrain on a prepared dataset instead. Finished runs are resumed, not
@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
+from cmacc.config import PRESETS
+from cmacc.data import synthetic_clips
+from cmacc.runlog import plot_metrics, save_figure
+from cmacc.trainer import Trainer
+from data_dali.fileio import atomic_write_text
+
 from .eval import evaluate, load_pretrained, write_results
-from .metrics import plot_metrics
-from .toydata import ToyAV
 
 SAMPLER_LABELS = {"random": "random (XMoCo)", "active": "active, gradient (CM-ACC)",
                   "active-feature": "active, feature", "ohem": "OHEM"}
@@ -38,13 +42,16 @@ def _plt():
     return plt
 
 
-def pretrain(run_dir, sampler, steps, *, data="synthetic", extra=()) -> dict:
-    """Tiny-preset pretraining (resumes if the run exists) + linear probes of both encoders."""
-    import train  # the entry point, in-process
-
+def pretrain(run_dir, sampler, steps, *, data="synthetic", **sections) -> dict:
+    """Tiny-preset pretraining (resumes if the run exists) + linear probes of both encoders.
+    ``sections``: further config overrides, e.g. ``model=dict(dict_size=32)``."""
     run_dir = Path(run_dir)
-    train.main(["--preset", "tiny", "--sampler", sampler, "--steps", str(steps), "--data", data,
-                "--out", str(run_dir), "--resume", "auto", "--log-every", "10", *extra])
+    over = {k: dict(v) for k, v in sections.items()}
+    over.setdefault("selection", {})["sampler"] = sampler
+    over.setdefault("data", {})["source"] = data
+    over.setdefault("run", {}).update(steps=steps, out=str(run_dir), resume="auto", log_every=10,
+                                      device="cuda" if torch.cuda.is_available() else "cpu")
+    Trainer(PRESETS["tiny"].replace(**over)).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     model, state = load_pretrained(run_dir)
     for modality in ("video", "audio"):  # linear probes on the held-out clips
@@ -71,8 +78,8 @@ def dictsize(out, steps, sizes, data="synthetic") -> dict:
     rows = []
     for k in sizes:
         for s in ("random", "active"):
-            summ = pretrain(out / f"K{k}_{s}", s, steps, data=data,
-                            extra=("--dict-size", str(k), "--pool-size", str(3 * k + 32)))
+            summ = pretrain(out / f"K{k}_{s}", s, steps, data=data, model=dict(dict_size=k),
+                            selection=dict(pool_size=3 * k + 32))
             rows.append(dict(K=k, sampler=s, acc=summ["acc_last"],
                              probe_video=summ.get("probe_video", float("nan")),
                              probe_audio=summ.get("probe_audio", float("nan"))))
@@ -88,9 +95,7 @@ def dictsize(out, steps, sizes, data="synthetic") -> dict:
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(out / "dictsize.png", dpi=110)
-    plt.close(fig)
-    return {"png": str(out / "dictsize.png"), "rows": rows}
+    return {"png": str(save_figure(fig, out / "dictsize.png")), "rows": rows}
 
 
 # -- (b) gradient-norm gallery -------------------------------------------------------------------
@@ -109,7 +114,7 @@ def gallery(run, out, n_queries=3, n_show=4, seed=0) -> dict:
     qb, cb = data.batch(perm[:m]), data.batch(perm[m:])
     q_a, h_a = model.f_a(qb["audio"])  # pseudo-label space: the audio queries of the batch
     k_v, _ = model.h_v(cb["video"])  # candidates: video keys
-    alpha, beta = grad_embed(k_v, q_a, h_a, tau=model.cfg.tau_p, view=model.cfg.grad_view)
+    alpha, beta = grad_embed(k_v, q_a, h_a, tau=model.sel.tau_p, view=model.sel.grad_view)
     norm = alpha.norm(dim=1) * beta.norm(dim=1)  # |g_n|
     yhat = (k_v @ q_a.t()).argmax(1)
     counts = torch.bincount(yhat, minlength=m)
@@ -131,10 +136,7 @@ def gallery(run, out, n_queries=3, n_show=4, seed=0) -> dict:
         for c in range(1 + len(hard) + len(easy), 1 + 2 * n_show):
             axes[r, c].axis("off")
     fig.tight_layout()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out) / "gallery.png", dpi=100)
-    plt.close(fig)
-    return {"png": str(Path(out) / "gallery.png"), "rows": rows}
+    return {"png": str(save_figure(fig, Path(out) / "gallery.png", dpi=100)), "rows": rows}
 
 
 def _frame(ax, video, title):
@@ -176,9 +178,7 @@ def perclass(run, out, top=5) -> dict:
                       fontsize=7)
         ax.set_title(f"pretext accuracy per class, {name}")
     fig.tight_layout()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    fig.savefig(Path(out) / "perclass.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(out) / "perclass.png")
     ranked = {k: sorted(((data.class_names[c], v[c]) for c in range(len(v))), key=lambda t: -t[1])
               for k, v in acc.items()}
     return {"png": str(Path(out) / "perclass.png"),
@@ -186,11 +186,13 @@ def perclass(run, out, top=5) -> dict:
             "bottom": {k: r[-top:] for k, r in ranked.items()}}
 
 
-def _toy(state) -> ToyAV:
-    dc = state["data_config"]
-    return ToyAV(num_clips=dc.get("clips", 1024), num_classes=dc.get("classes", 10),
-                 frames=dc["frames"], size=dc["size"], redundancy=dc.get("redundancy", 0.0),
-                 noise=dc.get("noise", 0.3), seed=state["model_config"]["seed"])
+def _toy(state):
+    """The synthetic clips a checkpoint was pretrained on."""
+    cfg = state["cfg"]
+    if not cfg.data.synthetic:
+        raise ValueError(f"this analysis reads the built-in synthetic clips; the run was "
+                         f"pretrained on {cfg.data.source}: pass a run made with --data synthetic")
+    return synthetic_clips(cfg.data, cfg.model.seed)
 
 
 def write_report(out, results: dict) -> Path:
@@ -220,10 +222,8 @@ def write_report(out, results: dict) -> Path:
                          f"{', '.join(f'{c} ({a:.2f})' for c, a in results['perclass']['bottom'][k])}")
         lines.append("")
     path = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text("\n".join(lines))
-    os.replace(tmp, path)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    atomic_write_text(path, "\n".join(lines))
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2))
     return path
 
 
@@ -236,6 +236,8 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128])
     p.add_argument("--data", default="synthetic")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     if args.what in ("gallery", "perclass") and not args.run:
         p.error(f"{args.what} needs a run folder (a pretrained checkpoint), e.g. runs/analysis/active")
     out = Path(args.out)

@@ -10,21 +10,23 @@
 Honest numbers, whatever they show. Pretraining sees every clip without labels; the probe is fit
 on the train split and scored on the test split.
 
-    python -m cmacc.demo --out runs/demo [--steps 150] [--data toy]
+    python -m cmacc.apps.demo --out runs/demo [--steps 150] [--data toy]
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
 import torch
 
+from cmacc.model import CMACC
+from cmacc.runlog import plot_metrics
+
 from .analysis import pretrain
 from .eval import evaluate, load_pretrained
-from .metrics import plot_metrics
-from .model import CMACC
 
 
 def prepare_demo_data(out: Path, classes=8, per_class=16) -> str:
@@ -47,18 +49,20 @@ def main(argv=None):
     p.add_argument("--data", choices=("files", "toy"), default="files",
                    help="files: synthetic MP4s through prepare + loaders (default); toy: in-memory clips")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
     out = Path(args.out)
     data = prepare_demo_data(out) if args.data == "files" else "synthetic"
-    extra = ("--redundancy", "0.5") if args.data == "toy" else ()
+    extra = dict(data=dict(redundancy=0.5)) if args.data == "toy" else {}
     runs = {"XMoCo (random)": ("random", out / "xmoco"), "CM-ACC (active)": ("active", out / "cmacc")}
     summaries = {}
     for label, (sampler, run_dir) in runs.items():
         print(f"\n=== {label}: {args.steps} steps ===", flush=True)
-        summaries[label] = pretrain(run_dir, sampler, args.steps, data=data, extra=extra)
+        summaries[label] = pretrain(run_dir, sampler, args.steps, data=data, **extra)
     # the floor: the same encoders, untrained
     model, state = load_pretrained(out / "xmoco")
     torch.manual_seed(model.cfg.seed)
-    fresh = CMACC(model.cfg)
+    fresh = CMACC(model.cfg, model.sel)
     floor = {m: evaluate(fresh, state, data, modality=m, protocol="linear")["top1_mean"]
              for m in ("video", "audio")}
     png = plot_metrics({k: str(d / "metrics.csv") for k, (_, d) in runs.items()},

@@ -1,8 +1,8 @@
 """Downstream evaluation of a pretrained checkpoint: linear probe on frozen features and
 end-to-end fine-tuning, for the video or the audio encoder.
 
-    python -m cmacc.eval runs/cmacc --data synthetic --modality video --protocol linear
-    python -m cmacc.eval runs/cmacc/ckpt_00001000.pt --data UCF101/manifest.csv \\
+    python -m cmacc.apps.eval runs/cmacc --data synthetic --modality video --protocol linear
+    python -m cmacc.apps.eval runs/cmacc/ckpt_00001000.pt --data UCF101/manifest.csv \\
         --modality video --protocol finetune --splits 1 2 3 --out runs/cmacc/eval
 
 Results (mean top-1 over splits/folds and per split) go to OUT/eval_<modality>_<protocol>.json
@@ -15,22 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from .config import ModelConfig
-from .model import CMACC
-from .probe import extract_features, finetune, linear_probe
+from cmacc import checkpoint as ckpt
+from cmacc.config import Config
+from cmacc.data import eval_splits
+from cmacc.model import CMACC
+from cmacc.probe import extract_features, finetune, linear_probe
+from data_dali.fileio import atomic_write_text
 
 log = logging.getLogger("cmacc.eval")
 
 
 def load_pretrained(path) -> tuple[CMACC, dict]:
-    """The CMACC model of a checkpoint file or run folder (newest valid checkpoint)."""
+    """The CMACC model of a checkpoint file or run folder (newest valid checkpoint), and the
+    checkpoint with its typed config under "cfg"."""
     p = Path(path)
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
@@ -41,43 +43,12 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
         if not p.is_file():
             raise FileNotFoundError(f"{p}: no such checkpoint file")
         state = ckpt.load(p)
-    cfg = dict(state["model_config"])
-    cfg["video_layers"], cfg["audio_layers"] = tuple(cfg["video_layers"]), tuple(cfg["audio_layers"])
-    model = CMACC(ModelConfig(**cfg))
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise KeyError(f"{p} is not a checkpoint written by train.py (no config/model)")
+    state["cfg"] = cfg = Config.from_dict(state["config"])
+    model = CMACC(cfg.model, cfg.selection)
     model.load_state_dict(state["model"])
     return model, state
-
-
-class ToySplits:
-    """Held-out instances of the built-in synthetic clips: one split, 1/4 of each class's
-    instances for testing (never seen by the probe's training set)."""
-
-    def __init__(self, data_config: dict, seed: int):
-        from .toydata import ToyAV
-
-        self.data = ToyAV(num_clips=data_config.get("clips", 1024),
-                          num_classes=data_config.get("classes", 10),
-                          frames=data_config["frames"], size=data_config["size"],
-                          redundancy=data_config.get("redundancy", 0.0),
-                          noise=data_config.get("noise", 0.3), seed=seed)
-        self.num_classes = self.data.num_classes
-        inst = torch.arange(len(self.data)) // self.num_classes
-        self.test_mask = inst % 4 == 3
-
-    def splits(self, wanted=None):
-        tr = torch.nonzero(~self.test_mask).flatten()
-        te = torch.nonzero(self.test_mask).flatten()
-        return [("split1", tr, te)]
-
-    def batches(self, index, batch_size=64, shuffle_seed=None):
-        def gen(p):
-            idx = index
-            if shuffle_seed is not None:
-                g = torch.Generator().manual_seed(shuffle_seed + p)
-                idx = index[torch.randperm(len(index), generator=g)]
-            for s in range(0, len(idx), batch_size):
-                yield self.data.batch(idx[s:s + batch_size])
-        return gen
 
 
 def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu", clips=1,
@@ -86,16 +57,10 @@ def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu
     pretraining clip length; the paper fine-tunes on 32-frame clips: --frames 32)."""
     enc = model.f_v if modality == "video" else model.f_a
     key = "video" if modality == "video" else "audio"
-    if data == "synthetic":
-        ds = ToySplits(state["data_config"], state["model_config"]["seed"])
-    else:
-        import data_dali  # prepared datasets
-
-        dc = state["data_config"]
-        if frames is None and protocol == "finetune" and modality == "video":
-            frames = 32  # the paper fine-tunes on 32-frame clips
-        ds = data_dali.EvalSplits(data, modality=modality, clip_frames=frames or dc["frames"],
-                                  crop=dc["size"], seed=state["model_config"]["seed"])
+    cfg = state["cfg"]
+    if frames is None and protocol == "finetune" and modality == "video" and data != "synthetic":
+        frames = 32  # the paper fine-tunes on 32-frame clips
+    ds = eval_splits(data, cfg.data, cfg.model.seed, modality=modality, frames=frames)
     results = []
     for name, tr, te in ds.splits(splits):
         backbone = _fresh_copy(enc.backbone).to(device)
@@ -130,10 +95,8 @@ def write_results(res: dict, out: Path) -> tuple[Path, Path]:
     lines = [f"| {res['modality']} {res['protocol']} | top-1 |", "|---|---|"]
     lines += [f"| {r['split']} | {100 * r['top1']:.1f} |" for r in res["splits"]]
     lines.append(f"| **mean** | **{100 * res['top1_mean']:.1f}** |")
-    for path, text in ((js, json.dumps(res, indent=2)), (md, "\n".join(lines) + "\n")):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    atomic_write_text(js, json.dumps(res, indent=2))
+    atomic_write_text(md, "\n".join(lines) + "\n")
     return js, md
 
 

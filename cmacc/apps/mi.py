@@ -6,7 +6,7 @@ characters), so I(x; y) = sum_i log l_i grows with the number of characters l. S
 augmented x), XMoCo and CM-ACC (x vs y) are trained with a small CNN for l = 1..9 and judged by
 a linear probe of the character at every position from the frozen x-encoder (mean accuracy).
 
-    python -m cmacc.mi --omniglot ROOT --out runs/mi [--chars 1 2 4 9] [--steps 300]
+    python -m cmacc.apps.mi --omniglot ROOT --out runs/mi [--chars 1 2 4 9] [--steps 300]
 
 ROOT is the folder that holds ``omniglot-py/images_background`` (torchvision's layout;
 ``torchvision.datasets.Omniglot(ROOT, download=False)`` must load it). ``--make-glyphs DIR``
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -26,14 +25,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .model import CMACC
-from .probe import linear_probe
+from cmacc.config import ModelConfig, SelectionConfig
+from cmacc.model import CMACC
+from cmacc.probe import linear_probe
+from cmacc.runlog import save_figure
+from data_dali.fileio import atomic_write_text
 
 CELL = 32
-METHODS = {"SMoCo": dict(objective="smoco", sampler="random"),
-           "XMoCo": dict(objective="cross", sampler="random"),
-           "CM-ACC": dict(objective="cross", sampler="active")}
+METHODS = {"SMoCo": ("smoco", "random"),  # (objective, sampler)
+           "XMoCo": ("cross", "random"),
+           "CM-ACC": ("cross", "active")}
 
 
 class Glyphs:
@@ -122,9 +123,11 @@ def _augment(x, g):
 def train_one(method: str, train: MultiOmniglotPairs, *, steps, batch, seed, width=32):
     torch.manual_seed(seed)
     k = 4 * batch
-    cfg = ModelConfig(**METHODS[method], batch_size=batch, dict_size=k, pool_size=3 * k + batch,
-                      dim=64, fcl=False, momentum=0.99, seed=seed)
-    model = CMACC(cfg, backbones=(SmallCNN(width), SmallCNN(width)))
+    objective, sampler = METHODS[method]
+    cfg = ModelConfig(objective=objective, batch_size=batch, dict_size=k, dim=64, fcl=False,
+                      momentum=0.99, seed=seed)
+    sel = SelectionConfig(sampler=sampler, pool_size=3 * k + batch)
+    model = CMACC(cfg, sel, backbones=(SmallCNN(width), SmallCNN(width)))
     opt = torch.optim.Adam(model.query_parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(seed)
     n = train.x.shape[0]
@@ -168,9 +171,7 @@ def run(root, out, chars=(1, 2, 4, 9), steps=300, batch=32, n_train=2000, n_test
             results[m].append(acc)
             print(f"l={l} (MI {tr.mutual_information:.2f} nats) {m}: probe accuracy {acc:.3f}",
                   flush=True)
-    tmp = out / ".mi.json.tmp"
-    tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, out / "mi.json")
+    atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     _plot(results, methods, out / "mi.png")
     return results
 
@@ -189,8 +190,7 @@ def _plot(results, methods, png):
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def make_glyphs(root, alphabets=9, chars=8, drawers=20, seed=0) -> Path:

@@ -1,6 +1,6 @@
 """Render training curves of one or more runs to a PNG.
 
-    python -m cmacc.plot runs/xmoco runs/cmacc --out curves.png [--keys loss acc diversity]
+    python -m cmacc.apps.plot runs/xmoco runs/cmacc --out curves.png [--keys loss acc diversity]
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .metrics import plot_metrics
+from cmacc.runlog import plot_metrics
 
 
 def main(argv=None):

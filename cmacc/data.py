@@ -1,0 +1,71 @@
+"""The library's data side: a DataConfig becomes the training loader or the evaluation splits —
+data_dali's loaders for a prepared manifest, the in-memory synthetic clips otherwise. The only
+module of the library that imports data_dali's loaders."""
+
+from __future__ import annotations
+
+import torch
+
+import data_dali
+from data_dali.synthetic import ToyAV, ToyLoader, held_out
+
+from .config import DataConfig
+
+
+def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
+    """The built-in clips of a run (the one place they are made from a config)."""
+    return ToyAV(num_clips=dcfg.clips, num_classes=dcfg.classes, frames=dcfg.frames,
+                 size=dcfg.size, redundancy=dcfg.redundancy, noise=dcfg.noise, seed=seed)
+
+
+def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
+                 views: int = 1, device="cpu"):
+    """Shuffled epochs of this rank's share of each global batch of ``batch_size`` clips
+    (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset."""
+    if batch_size % world:
+        raise ValueError(f"batch_size {batch_size} (global M) does not divide over {world} ranks; "
+                         f"use a multiple of {world}")
+    if dcfg.synthetic:
+        return ToyLoader(synthetic_clips(dcfg, seed), batch_size, seed=seed, rank=rank,
+                         world=world, views=views)
+    return data_dali.build_loader(dcfg.source, batch_size=batch_size // world,
+                                  clip_frames=dcfg.frames, crop=dcfg.size, shard_id=rank,
+                                  num_shards=world, seed=seed, views=views, device=device,
+                                  backend=dcfg.loader, num_workers=dcfg.workers)
+
+
+class SyntheticSplits:
+    """Held-out instances of the synthetic clips: one split ("1"), 1/4 of each class's
+    instances for testing (never in the probe's training set; ``held_out``)."""
+
+    def __init__(self, data: ToyAV):
+        self.data, self.num_classes = data, data.num_classes
+        self.test_mask = held_out(torch.arange(len(data)) // self.num_classes)
+
+    def splits(self, wanted=None):
+        if wanted and set(map(str, wanted)) != {"1"}:
+            raise ValueError(f"the synthetic clips have one split ('1'), not {list(wanted)}; "
+                             "drop --splits or evaluate on a prepared manifest")
+        tr = torch.nonzero(~self.test_mask).flatten()
+        te = torch.nonzero(self.test_mask).flatten()
+        return [("split1", tr, te)]
+
+    def batches(self, index, batch_size=64, shuffle_seed=None):
+        """A callable pass -> iterable of batch dicts, as cmacc.probe expects."""
+        def gen(p):
+            idx = index
+            if shuffle_seed is not None:
+                g = torch.Generator().manual_seed(shuffle_seed + p)
+                idx = index[torch.randperm(len(index), generator=g)]
+            for s in range(0, len(idx), batch_size):
+                yield self.data.batch(idx[s:s + batch_size])
+        return gen
+
+
+def eval_splits(source: str, dcfg: DataConfig, seed: int, *, modality: str, frames: int | None = None):
+    """Train/test splits for downstream evaluation of a run pretrained with ``dcfg``: the
+    run's synthetic clips (held-out instances) or a prepared manifest's splits/folds."""
+    if source == "synthetic":
+        return SyntheticSplits(synthetic_clips(dcfg, seed))
+    return data_dali.EvalSplits(source, modality=modality, clip_frames=frames or dcfg.frames,
+                                crop=dcfg.size, seed=seed)

@@ -1,0 +1,163 @@
+"""What a run writes for people (rank 0): the log line, OUT/metrics.csv, TensorBoard scalars,
+OUT/summary.json and the OUT/metrics.png plot. Each row is a ``StepMetrics``."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_dali.fileio import atomic_path, atomic_write_text
+
+log = logging.getLogger("cmacc")
+NAN = float("nan")
+
+
+@dataclass
+class StepMetrics:
+    """One metrics.csv row: means over the steps since the previous row."""
+
+    step: int
+    epoch: int
+    loss: float
+    acc: float
+    lr: float
+    clips_per_s: float  # per rank
+    diversity: float = NAN  # fraction of categories among the enqueued negatives
+    gnorm: float = NAN  # mean |g| of the enqueued negatives (active samplers)
+    active: float = 0.0  # 1 once the active sampler runs (after the pool warm-up)
+    fallback: float = 0.0  # share of steps whose U \ D exclusion had to be dropped
+    t_data: float = 0.0  # seconds per step waiting for data
+    t_step: float = 0.0  # seconds per step computing
+    t_select: float = 0.0  # seconds per step in the active selection
+    mfu: float = NAN  # model FLOP utilisation (NaN where the peak is unknown)
+    mem_gb: float = NAN  # peak CUDA memory
+
+
+FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
+
+
+class CSVLog:
+    """Append-only CSV with a fixed header; flushed after every row (nothing finished is lost)."""
+
+    def __init__(self, path, fields: list[str]):
+        self.path, self.fields = Path(path), fields
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        self.f = open(self.path, "a", newline="")
+        self.w = csv.DictWriter(self.f, fieldnames=fields, extrasaction="ignore")
+        if new:
+            self.w.writeheader()
+
+    def write(self, row: dict) -> None:
+        self.w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    def close(self):
+        self.f.close()
+
+
+def read_csv(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+class RunLogger:
+    """Rank-0 metrics: a log line, a CSV row, TensorBoard scalars (optional), history. On other
+    ranks every method does nothing."""
+
+    def __init__(self, out, enabled: bool, tensorboard: bool):
+        self.enabled, self.history, self.tb = enabled, [], None
+        self.csv = CSVLog(Path(out) / "metrics.csv", FIELDS) if enabled else None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(out) / "tb"))
+            except Exception as e:  # tensorboard is optional
+                log.warning("TensorBoard disabled (%s); pip install tensorboard", e)
+
+    def write(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        row = dataclasses.asdict(m)
+        self.history.append(row)
+        self.csv.write(row)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, m.step)
+        log.info("step %6d | loss %.4f | acc %.3f | div %.3f | gnorm %.3g | lr %.2e | "
+                 "%.1f clips/s/rank | data %.1f ms, step %.1f ms, select %.2f ms | mfu %.3g",
+                 m.step, m.loss, m.acc, m.diversity, m.gnorm, m.lr, m.clips_per_s,
+                 1e3 * m.t_data, 1e3 * m.t_step, 1e3 * m.t_select, m.mfu)
+
+    def close(self):
+        if self.csv is not None:
+            self.csv.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def summarise(history: list[dict], method: str, out) -> dict:
+    """OUT/summary.json (first and last quarter of the logged rows) and OUT/metrics.png."""
+    if not history:
+        return {}
+    out = Path(out)
+    w = max(1, len(history) // 4)
+    first, last = history[:w], history[-w:]
+
+    def mean(rows, k):
+        return sum(r[k] for r in rows) / len(rows)
+
+    summary = dict(method=method, steps=history[-1]["step"],
+                   loss_first=mean(first, "loss"), loss_last=mean(last, "loss"),
+                   acc_first=mean(first, "acc"), acc_last=mean(last, "acc"),
+                   diversity_last=mean(last, "diversity"),
+                   clips_per_s=mean(last, "clips_per_s"), out=str(out))
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    try:
+        plot_metrics({method: str(out / "metrics.csv")}, out / "metrics.png")
+    except Exception as e:  # a plot must never cost the run
+        log.warning("could not write metrics.png: %s", e)
+    return summary
+
+
+def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diversity", "gnorm")) -> Path:
+    """One panel per metric, one line per run (label → metrics.csv). Returns the PNG path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.4), squeeze=False)
+    axes = axes[0]
+    for ax, key in zip(axes, keys):
+        for label, path in csv_paths.items():
+            rows = [r for r in read_csv(path) if r.get(key) not in (None, "", "nan")]
+            if rows:
+                ax.plot([int(r["step"]) for r in rows], [float(r[key]) for r in rows], label=label)
+        ax.set_xlabel("step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    return save_figure(fig, out_png)
+
+
+def save_figure(fig, png, dpi=110) -> Path:
+    """Write a matplotlib figure to a PNG atomically and close it."""
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(png) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    plt.close(fig)
+    return png
