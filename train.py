@@ -22,9 +22,7 @@ Every flag sets one field of the typed config (cmacc/config.py); the loop is cma
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -34,7 +32,8 @@ import torch
 from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, LOADERS, OBJECTIVES, POOL_MODES, PRESETS,
                           SAMPLERS)
 from cmacc.encoders import VIDEO_ARCHS
-from cmacc.trainer import NonFiniteLoss, Trainer, UsageError
+from cmacc.trainer import NonFiniteLoss, Trainer
+from data_dali.cli import ArgumentParser, UserError, command, setup_logging
 
 # flag → config field ("section.field"), argparse options; one --help group per block
 FLAGS = {
@@ -50,6 +49,10 @@ FLAGS = {
         ("--workers", "data.workers", dict(type=int, help="reference-loader worker processes")),
         ("--log-every", "run.log_every", dict(type=int, help="log/metrics interval in steps")),
         ("--ckpt-every", "run.ckpt_every", dict(type=int, help="checkpoint interval in steps (0: only at the end)")),
+        ("--keep", "run.keep", dict(type=int, help="checkpoints of this run kept in --out (default 3)")),
+        ("--on-nonfinite", "run.on_nonfinite", dict(choices=("stop", "skip"), help="a NaN/Inf loss or gradient: "
+                                                    "stop (default) or skip that step's update")),
+        ("--max-nonfinite", "run.max_nonfinite", dict(type=int, help="with skip: stop after this many (default 10)")),
         ("--tensorboard", "run.tensorboard", dict(action="store_const", const=True, help="also write OUT/tb")),
         ("--no-shuffle-bn", "run.shuffle_bn", dict(action="store_const", const=False, help="no shuffle-BN in the key encoders")),
         ("--dict-init", "run.dict_init", dict(choices=DICT_INITS, help="encode K random clips (paper) or random keys")),
@@ -88,8 +91,8 @@ FLAGS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="base settings (default: tiny)")
     p.add_argument("--config", help="JSON file of flag values (long names); command-line flags win")
     for title, flags in FLAGS.items():
@@ -117,15 +120,20 @@ def apply_config_file(parser, args, argv):
     try:
         values = json.loads(Path(args.config).read_text())
     except (OSError, ValueError) as e:
-        parser.error(f"--config {args.config}: cannot read JSON ({e})")
+        raise UserError(f"--config {args.config}: cannot read JSON ({e}); pass a JSON object of "
+                        "long flag names, e.g. {\"steps\": 100}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"--config {args.config}: expected a JSON object of long flag names, got "
+                        f"{type(values).__name__}")
     dests = {opt.lstrip("-").replace("-", "_"): a.dest for a in parser._actions for opt in a.option_strings}
     bad = sorted(k for k in values if k.replace("-", "_") not in dests)
     if bad:
-        parser.error(f"--config {args.config}: unknown keys {bad}; use the long flag names of --help")
+        raise UserError(f"--config {args.config}: unknown keys {bad}; use the long flag names of --help")
     parser.set_defaults(**{dests[k.replace("-", "_")]: v for k, v in values.items()})
     return parser.parse_args(argv)
 
 
+@command  # user errors: one line on stderr, exit 2 (--debug: the traceback)
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -134,14 +142,11 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as e:  # a dataclass rejected a value: the message names the field
-        parser.error(str(e))
-    logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+        raise UserError(str(e)) from None
+    setup_logging(quiet=os.environ.get("RANK", "0") != "0")
     try:
         summary = Trainer(cfg).run()
-    except UsageError as e:
-        parser.error(str(e))
-    except NonFiniteLoss as e:
+    except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
         sys.exit(f"error: {e}")
     if summary:
         print(json.dumps(summary, indent=2))

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+from cmacc.runlog import save_figure
+from data_dali.fileio import atomic_path
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -123,12 +126,10 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     old = read_csv(path) if path.exists() else []
     fields = list(dict.fromkeys(k for r in old + rows for k in r))
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, restval="")
         w.writeheader()
         w.writerows(old + rows)
-    os.replace(tmp, path)
     return path
 
 
@@ -196,13 +197,7 @@ def plot(rows: list[dict], x: str, y: str, series: str, path: Path, title: str) 
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return save_figure(fig, path)
 
 
 def base_parser(doc: str):

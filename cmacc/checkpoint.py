@@ -1,4 +1,5 @@
-"""Checkpoints: atomic writes, weights_only loads, latest-valid resume, RNG state capture.
+"""Checkpoints: atomic writes, weights_only loads, newest-valid resume, per-run retention, RNG
+state capture.
 
 A checkpoint holds plain containers and tensors only (configs as dicts, RNG states as
 tensors), so ``torch.load(..., weights_only=True)`` loads it and evaluating a checkpoint that
@@ -7,15 +8,17 @@ someone shared never runs code.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import re
+import uuid
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data_dali.fileio import atomic_path
+from data_dali.fileio import atomic_path, atomic_write_text
 
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
@@ -58,25 +61,85 @@ def load(path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def find_latest_valid(out_dir) -> tuple[Path, dict] | None:
-    """Newest checkpoint in ``out_dir`` that loads; corrupt ones are skipped with a warning."""
+def validate(path, ck, run_id=None) -> dict:
+    """``ck`` if it is a usable checkpoint (of ``run_id`` when given), else ValueError(why)."""
+    if not isinstance(ck, dict) or "step" not in ck or "model" not in ck:
+        raise ValueError("not a train.py checkpoint (no 'step'/'model')")
+    if run_id is not None and ck.get("run_id") != run_id:
+        raise ValueError(f"belongs to run {ck.get('run_id')!r}, not this folder's run {run_id!r}")
+    return ck
+
+
+def find_latest_valid(out_dir, run_id: str | None = None) -> tuple[Path, dict] | None:
+    """Newest checkpoint in ``out_dir`` that loads (and, given ``run_id``, belongs to that run).
+    Each one skipped is logged with the reason; the chosen one too."""
     d = Path(out_dir)
     if not d.is_dir():
         return None
     cands = sorted((p for p in d.iterdir() if _NAME.match(p.name)), reverse=True)
     for p in cands:
         try:
-            ck = load(p)
-            if not isinstance(ck, dict) or "step" not in ck or "model" not in ck:
-                raise ValueError("missing 'step'/'model'")
-            return p, ck
-        except Exception as e:  # a partial or corrupt file: never loaded, never fatal
-            log.warning("skipping unreadable checkpoint %s (%s)", p, e)
+            ck = validate(p, load(p), run_id)
+        except Exception as e:  # a partial, corrupt or foreign file: never used, never fatal
+            log.warning("skipping checkpoint %s: %s", p, (str(e).strip().splitlines() or [e])[0])
+            continue
+        log.info("newest valid checkpoint in %s: %s (step %d)", d, p.name, ck["step"])
+        return p, ck
     return None
 
 
-def prune(out_dir, keep: int = 3) -> None:
-    d = Path(out_dir)
-    cands = sorted(p for p in d.iterdir() if _NAME.match(p.name))
-    for p in cands[:-keep]:
-        p.unlink(missing_ok=True)
+# ----------------------------------------------------------------------------------------------
+# A run's checkpoints in its folder
+# ----------------------------------------------------------------------------------------------
+RUN_FILE = "run.json"
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def read_run(out_dir) -> dict | None:
+    """OUT/run.json: the run id of the folder and the checkpoints that run wrote."""
+    p = Path(out_dir) / RUN_FILE
+    if not p.is_file():
+        return None
+    try:
+        info = json.loads(p.read_text())
+        if not isinstance(info, dict) or not isinstance(info.get("run_id"), str):
+            raise ValueError("no run_id")
+    except ValueError as e:
+        raise ValueError(f"{p} is not a run record ({e}); move it away or use another --out") from None
+    info.setdefault("checkpoints", [])
+    return info
+
+
+class Checkpoints:
+    """The checkpoints of one run in one folder. ``save`` writes atomically (temporary file,
+    fsync, rename), reads the file back, records it in OUT/run.json, and only then deletes this
+    run's older checkpoints beyond ``keep`` — never another run's, never the newest valid one."""
+
+    def __init__(self, out_dir, run_id: str, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.out, self.run_id, self.keep = Path(out_dir), run_id, keep
+        info = read_run(self.out)
+        self.mine = list(info["checkpoints"]) if info and info["run_id"] == run_id else []
+        self.last: Path | None = None  # the newest valid checkpoint of this run
+
+    def save(self, state: dict, step: int) -> Path:
+        state = dict(state, run_id=self.run_id, step=step)
+        path = checkpoint_path(self.out, step)
+        save_atomic(state, path)
+        validate(path, load(path), self.run_id)  # read back: what is on disk is whole
+        self.mine = [n for n in self.mine if n != path.name] + [path.name]
+        self.last = path
+        self._record()
+        for name in self.mine[:-self.keep]:  # oldest first; the newest (just read back) stays
+            (self.out / name).unlink(missing_ok=True)
+        self.mine = self.mine[-self.keep:]
+        self._record()
+        return path
+
+    def _record(self):
+        atomic_write_text(self.out / RUN_FILE, json.dumps(
+            {"run_id": self.run_id, "checkpoints": self.mine}, indent=2))

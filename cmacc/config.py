@@ -161,9 +161,15 @@ class RunConfig:
     tensorboard: bool = False
     dict_init: str = "encode"
     shuffle_bn: bool = True
+    keep: int = 3  # checkpoints of this run kept in OUT (the newest valid one always)
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop, or skip the step
+    max_nonfinite: int = 10  # with "skip": stop once more steps than this were skipped
 
     def __post_init__(self):
-        _positive(self, "steps", "log_every")
+        _positive(self, "steps", "log_every", "keep")
+        _choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        if self.max_nonfinite < 0:
+            raise ValueError(f"max_nonfinite must be >= 0, got {self.max_nonfinite}")
         if self.ckpt_every < 0:
             raise ValueError(f"ckpt_every must be >= 0, got {self.ckpt_every}")
         _choice("device", self.device, ("cpu", "cuda"))

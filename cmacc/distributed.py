@@ -107,12 +107,3 @@ def verify_ranks_agree(model, config_hash: str, enq_index, step: int) -> None:
                 f"{', '.join(bad)}. Check that every rank runs the same code, flags and data "
                 "manifest; the last checkpoint is kept"
             )
-
-
-def any_rank(flag: bool, device) -> bool:
-    """True on every rank if ``flag`` is True on any rank (one tiny all-reduce; syncs)."""
-    if world_size() == 1:
-        return flag
-    t = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())

@@ -40,14 +40,29 @@ class RunningMeans:
         self.sums += torch.stack([values[n].detach().double().reshape(()) for n in self.names])
         self.count += 1
 
-    def means(self) -> dict[str, float]:
+    def _reduced(self) -> torch.Tensor:
+        sums = self.sums.clone()
         if du.world_size() > 1:
-            dist.all_reduce(self.sums)
-            self.sums /= du.world_size()
-        vals = (self.sums / max(1, self.count)).tolist()
-        self.sums.zero_()
-        self.count = 0
+            dist.all_reduce(sums)
+            sums /= du.world_size()
+        return sums
+
+    def means(self, reset: bool = True) -> dict[str, float]:
+        """Means since the last reset, averaged over ranks (collective when distributed)."""
+        vals = (self._reduced() / max(1, self.count)).tolist()
+        if reset:
+            self.sums.zero_()
+            self.count = 0
         return dict(zip(self.names, vals))
+
+    def state_dict(self) -> dict:
+        """The rank-averaged sums (collective when distributed): restored on every rank, the
+        next ``means`` equals that of a run that was never interrupted."""
+        return {"sums": self._reduced().cpu(), "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums.copy_(state["sums"])
+        self.count = int(state["count"])
 
 
 class SectionTimer:

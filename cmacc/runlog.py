@@ -37,6 +37,7 @@ class StepMetrics:
     t_select: float = 0.0  # seconds per step in the active selection
     mfu: float = NAN  # model FLOP utilisation (NaN where the peak is unknown)
     mem_gb: float = NAN  # peak CUDA memory
+    nonfinite: float = 0.0  # steps skipped so far for a NaN/Inf loss or gradient
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -68,18 +69,37 @@ def read_csv(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-class RunLogger:
-    """Rank-0 metrics: a log line, a CSV row, TensorBoard scalars (optional), history. On other
-    ranks every method does nothing."""
+def truncate_rows(path, keep) -> int:
+    """Rewrite a metrics CSV (atomically) with only the rows ``keep(row)`` accepts; returns how
+    many were dropped. Resuming drops the rows past the checkpoint this way."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        fields, rows = reader.fieldnames or FIELDS, list(reader)
+    kept = [r for r in rows if keep(r)]
+    if len(kept) < len(rows):
+        with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(kept)
+    return len(rows) - len(kept)
 
-    def __init__(self, out, enabled: bool, tensorboard: bool):
-        self.enabled, self.history, self.tb = enabled, [], None
+
+class RunLogger:
+    """Rank-0 metrics: a log line, a CSV row, TensorBoard scalars (optional). On other ranks
+    every method does nothing. ``purge_step``: TensorBoard events from that step on (written
+    before a resume) are discarded."""
+
+    def __init__(self, out, enabled: bool, tensorboard: bool, purge_step: int | None = None):
+        self.enabled, self.tb = enabled, None
         self.csv = CSVLog(Path(out) / "metrics.csv", FIELDS) if enabled else None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(Path(out) / "tb"))
+                self.tb = SummaryWriter(str(Path(out) / "tb"), purge_step=purge_step)
             except Exception as e:  # tensorboard is optional
                 log.warning("TensorBoard disabled (%s); pip install tensorboard", e)
 
@@ -87,7 +107,6 @@ class RunLogger:
         if not self.enabled:
             return
         row = dataclasses.asdict(m)
-        self.history.append(row)
         self.csv.write(row)
         if self.tb is not None:
             for k, v in row.items():
@@ -105,25 +124,29 @@ class RunLogger:
             self.tb.close()
 
 
-def summarise(history: list[dict], method: str, out) -> dict:
-    """OUT/summary.json (first and last quarter of the logged rows) and OUT/metrics.png."""
-    if not history:
-        return {}
+def summarise(out, method: str) -> dict:
+    """OUT/summary.json (means over the first and last quarter of OUT/metrics.csv's rows) and
+    OUT/metrics.png. Read from the CSV, so a resumed run summarises its whole history."""
     out = Path(out)
-    w = max(1, len(history) // 4)
-    first, last = history[:w], history[-w:]
+    path = out / "metrics.csv"
+    rows = [{k: float(v) if v not in ("", None) else NAN for k, v in r.items()}
+            for r in (read_csv(path) if path.is_file() else [])]
+    if not rows:
+        return {}
+    w = max(1, len(rows) // 4)
+    first, last = rows[:w], rows[-w:]
 
-    def mean(rows, k):
-        return sum(r[k] for r in rows) / len(rows)
+    def mean(rs, k):
+        return sum(r[k] for r in rs) / len(rs)
 
-    summary = dict(method=method, steps=history[-1]["step"],
+    summary = dict(method=method, steps=int(rows[-1]["step"]),
                    loss_first=mean(first, "loss"), loss_last=mean(last, "loss"),
                    acc_first=mean(first, "acc"), acc_last=mean(last, "acc"),
                    diversity_last=mean(last, "diversity"),
                    clips_per_s=mean(last, "clips_per_s"), out=str(out))
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     try:
-        plot_metrics({method: str(out / "metrics.csv")}, out / "metrics.png")
+        plot_metrics({method: str(path)}, out / "metrics.png")
     except Exception as e:  # a plot must never cost the run
         log.warning("could not write metrics.png: %s", e)
     return summary

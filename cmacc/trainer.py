@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import signal
 import sys
@@ -30,6 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data_dali.cli import UserError, output_folder
+from data_dali.fileio import sweep_temporaries
+
 from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
@@ -38,12 +40,12 @@ from .data import train_loader
 from .metrics import (RunningMeans, SectionTimer, category_diversity, model_flops_per_clip,
                       peak_flops)
 from .model import CMACC
-from .runlog import RunLogger, StepMetrics, summarise
+from .runlog import RunLogger, StepMetrics, summarise, truncate_rows
 
 log = logging.getLogger("cmacc")
 
 
-class UsageError(ValueError):
+class UsageError(UserError, ValueError):
     """A mistake in what the user asked for (flags, files, devices): the message says which and
     what to do. ``train.py`` prints it as one line and exits 2."""
 
@@ -101,8 +103,10 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.out = Path(cfg.run.out)
-        self.step = self.epoch = self.skip = self.batch_in_epoch = 0
-        self.stop_requested = False
+        self.step = self.epoch = self.skip = self.batch_in_epoch = self.nonfinite = 0
+        self.signalled = False  # set by SIGTERM/SIGINT on this rank
+        self.stop_requested = False  # agreed by all ranks after every step
+        self.logger = self.bar = self.store = self.stats = self.saved_step = None
 
     # -- public -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -114,25 +118,35 @@ class Trainer:
                 self._resume_or_init()
                 while self.step < self.cfg.run.steps and not self.stop_requested:
                     self._train_epoch()
-                self.save("stop signal" if self.stop_requested else "end")
+                if self.saved_step != self.step:  # (an interval save may have just written it)
+                    self.save("stop signal" if self.stop_requested else "end")
             finally:
                 if self.bar is not None:
                     self.bar.close()
-                self.logger.close()
+                if self.logger is not None:
+                    self.logger.close()
             if self.rank != 0:
                 return {}
-            return summarise(self.logger.history, self.model.method, self.out)
+            return summarise(self.out, self.model.method)
 
     def save(self, reason: str) -> None:
-        """Checkpoint (rank 0): plain containers and tensors only (weights_only loads)."""
+        """Checkpoint: plain containers and tensors only (weights_only loads). Collective (the
+        running means are averaged over ranks); rank 0 writes."""
+        means = self.means.state_dict()
+        self.saved_step = self.step
         if self.rank != 0:
             return
         state = dict(model=self.model.state_dict(), optimizer=self.opt.state_dict(),
-                     scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), step=self.step,
-                     epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
-                     config_hash=self.chash, config=self.cfg.to_dict(), world_size=self.world)
-        p = ckpt.save_atomic(state, ckpt.checkpoint_path(self.out, self.step))
-        ckpt.prune(self.out)
+                     scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), epoch=self.epoch,
+                     batch_in_epoch=self.batch_in_epoch, config_hash=self.chash,
+                     config=self.cfg.to_dict(), world_size=self.world, means=means,
+                     nonfinite=self.nonfinite)
+        try:
+            p = self.store.save(state, self.step)
+        except OSError as e:  # a full disk, a vanished folder: the previous checkpoint stays
+            raise UsageError(f"cannot write the checkpoint of step {self.step} in {self.out} ({e}); "
+                             f"the last good checkpoint is {self.store.last or 'none yet'}: free "
+                             "space or fix the folder, then resume with --resume auto") from None
         log.info("checkpoint (%s): %s", reason, p)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -171,7 +185,9 @@ class Trainer:
                 signal.signal(s, h)
 
     def _request_stop(self, *_):
-        self.stop_requested = True
+        self.signalled = True
+        if du.world_size() == 1:
+            self.stop_requested = True
 
     def _setup(self):
         cfg = self.cfg
@@ -181,8 +197,10 @@ class Trainer:
                              f"{self.world} ranks; use a multiple of {self.world}")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
+        self.chash = config_hash(cfg.model, cfg.selection)
+        self._prepare_out()
+        self.resume_from = self._find_resume()  # before any work: a refusal costs nothing
         torch.manual_seed(cfg.model.seed)  # identical initial weights on every rank
-        self.out.mkdir(parents=True, exist_ok=True)
         views = 2 if cfg.model.objective == "smoco" else 1
         try:
             self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
@@ -206,46 +224,114 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.optim.amp == "fp16")
         labels = getattr(self.loader, "labels", None)
         self.labels = labels.to(self.device) if labels is not None else None
-        self.chash = config_hash(cfg.model, cfg.selection)
         self.timer = model.timer = SectionTimer(self.device)
         self.means = RunningMeans(MEANS, self.device)
-        self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard)
         self.flops_clip, self.peak = None, peak_flops(self.device)
-        self.last_enq, self.t0, self.bar = None, time.perf_counter(), None
+        self.last_enq, self.t0 = None, time.perf_counter()
 
-    def _resume_or_init(self):
-        cfg, model = self.cfg, self.model
-        found, resume = None, cfg.run.resume
+    def _prepare_out(self):
+        """OUT exists, is a writable folder, and holds no half-written file of a killed run."""
+        out = output_folder(self.out, "--out")
+        if self.rank == 0:
+            n = sweep_temporaries(out)
+            if n:
+                log.info("removed %d half-written file(s) of an interrupted run in %s", n, out)
+
+    def _find_resume(self):
+        """(path, state) to resume from, or None to start; sets the run id. A folder holds one
+        run: starting afresh where another run's checkpoints are is refused, not overwritten."""
+        resume, out = self.cfg.run.resume, self.out
+        try:
+            info = ckpt.read_run(out)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        found = None
         if resume == "auto":
-            found = ckpt.find_latest_valid(self.out)
+            found = ckpt.find_latest_valid(out, info["run_id"] if info else None)
         elif resume != "none":
             try:
-                found = (Path(resume), ckpt.load(resume))
+                found = (Path(resume), ckpt.validate(resume, ckpt.load(resume)))
             except Exception as e:
-                raise UsageError(f"--resume {resume}: cannot load this checkpoint ({e})") from None
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise UsageError(f"--resume {resume}: not a readable checkpoint of train.py ({why}); "
+                                 "pass a ckpt_*.pt file, 'auto' or 'none'") from None
+            if info and found[1].get("run_id") != info["run_id"]:
+                raise UsageError(f"--out {out} holds run {info['run_id']}; resuming the run of "
+                                 f"{resume} there would mix two runs: use another --out")
         if found is not None:
             path, state = found
             if state.get("config_hash") != self.chash:
-                raise UsageError(f"checkpoint {path} was made with a different model config; use "
-                                 "another --out, or --resume none to start afresh")
+                raise UsageError(f"checkpoint {path} was made with a different model/selection "
+                                 "config; use another --out, or the flags of that run")
+            if int(state.get("world_size", self.world)) != self.world:
+                raise UsageError(
+                    f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+                    f"{self.world}: resume with the same number of ranks (shuffle-BN statistics and "
+                    "the per-rank batch depend on it), or start a new run in another --out")
+            self.run_id = state.get("run_id") or ckpt.new_run_id()
+            return found
+        theirs = sorted(p.name for p in out.glob("ckpt_*.pt"))
+        if info and resume == "auto":  # the run never wrote a valid checkpoint: start it again
+            self.run_id = info["run_id"]
+            log.info("run %s in %s has no valid checkpoint: starting it from step 0",
+                     self.run_id, out)
+        elif info or (resume == "none" and theirs):
+            who = f"run {info['run_id']}" if info else "checkpoints"
+            listed = ", ".join(theirs[-3:]) or "no checkpoint yet"
+            raise UsageError(f"--out {out} already holds {who} ({listed}); continue it with "
+                             "--resume auto, or start the new run in another --out (nothing "
+                             "there is overwritten or deleted)")
+        else:
+            self.run_id = ckpt.new_run_id()
+        return None
+
+    def _resume_or_init(self):
+        cfg, model = self.cfg, self.model
+        purge = None
+        if self.resume_from is not None:
+            path, state = self.resume_from
             model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
             self.scaler.load_state_dict(state["scaler"])
             ckpt.set_rng_state(state["rng"])
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
             self.skip = self.batch_in_epoch = int(state["batch_in_epoch"])
-            log.info("resumed from %s at step %d", path, self.step)
-        elif cfg.model.objective == "cross":
-            init_dictionaries(model, self.loader, cfg.run.dict_init, self.device)
+            self.means.load_state_dict(state["means"])
+            self.nonfinite = int(state.get("nonfinite", 0))
+            purge = self._drop_rows_after(self.step)
+            self.saved_step = self.step
+            log.info("resumed run %s from %s at step %d", self.run_id, path, self.step)
+        else:
+            if cfg.model.objective == "cross":
+                init_dictionaries(model, self.loader, cfg.run.dict_init, self.device)
+            purge = self._drop_rows_after(0)
+        self.store = ckpt.Checkpoints(self.out, self.run_id, keep=cfg.run.keep)
+        if self.resume_from is not None:
+            self.store.last = self.resume_from[0]
+        self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
+                                purge_step=purge)
         if self.rank == 0:
             from tqdm import tqdm
 
-            log.info("%s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", model.method,
-                     self.device, self.world, cfg.model.batch_size, cfg.model.dict_size,
-                     cfg.selection.pool_size, cfg.optim.amp, self.out)
+            log.info("%s | run %s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", model.method,
+                     self.run_id, self.device, self.world, cfg.model.batch_size,
+                     cfg.model.dict_size, cfg.selection.pool_size, cfg.optim.amp, self.out)
             self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
                             dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.t0 = time.perf_counter()
+
+    def _drop_rows_after(self, step: int) -> int:
+        """metrics.csv keeps the rows an uninterrupted run has at ``step``: those up to it on
+        the log grid (a run's off-grid last row is replayed; its means are in the checkpoint).
+        Returns the first TensorBoard step to purge."""
+        every = self.cfg.run.log_every
+        if self.rank == 0:
+            n = truncate_rows(self.out / "metrics.csv",
+                              lambda r: int(r["step"]) < step or
+                              (int(r["step"]) == step and step % every == 0))
+            if n:
+                log.info("metrics.csv: dropped %d row(s) past step %d (replayed now)", n, step)
+        return step + 1 if step % every == 0 else step
 
     # -- the loop -------------------------------------------------------------------------------
     def _train_epoch(self):
@@ -262,18 +348,18 @@ class Trainer:
             if self.step >= cfg.run.steps or self.stop_requested:
                 break
             timer.stop("data", td)
-            stats = self._train_step(batch)
-            if self.step % cfg.run.log_every == 0 or self.step == cfg.run.steps:
-                self._log_interval(stats)
+            self.stats = self._train_step(batch) or self.stats  # None: a skipped step
+            on_grid = self.step % cfg.run.log_every == 0
+            if on_grid or self.step == cfg.run.steps:
+                self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td = timer.start()
         else:
             self.epoch, self.skip = self.epoch + 1, 0
-        if self.world > 1:  # a signal seen between log intervals: agree before leaving the epoch
-            self.stop_requested = du.any_rank(self.stop_requested, self.device)
 
-    def _train_step(self, batch) -> dict:
+    def _train_step(self, batch) -> dict | None:
+        """One iteration; None if it was skipped (non-finite, --on-nonfinite skip)."""
         cfg, dev = self.cfg, self.device
         ts = self.timer.start()
         for group in self.opt.param_groups:
@@ -291,11 +377,19 @@ class Trainer:
             loss, stats = self.step_fn(video, audio, index, step=self.step, **kw)
         self.opt.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        bad = self._nonfinite(loss)
+        if bad:
+            self._handle_nonfinite(bad)  # raises, or skips this step's update
+        else:
+            self.scaler.step(self.opt)
+            self.scaler.update()
         self.timer.stop("step", ts)
         self.step += 1
         self.batch_in_epoch += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        if bad:
+            return None
         self.last_enq = stats["enq_index_v"]
         zero = torch.zeros((), device=dev)
         div = (category_diversity(self.last_enq, self.labels, self.loader.num_classes)
@@ -303,21 +397,53 @@ class Trainer:
         self.means.add(loss=loss.detach().float(), acc=stats["acc"].float(), diversity=div,
                        gnorm=stats.get("gnorm", zero).float(),
                        fallback=stats.get("fallback", zero).float())
-        if self.bar is not None:
-            self.bar.update(1)
         return stats
 
-    def _log_interval(self, stats):
-        """One metrics row; the only host syncs of the loop."""
+    def _nonfinite(self, loss) -> list[str]:
+        """What is NaN/Inf after this step's backward — the loss, the gradients (fp16: the
+        GradScaler already skips those), the dictionaries — and whether any rank was signalled,
+        agreed by all ranks in one small all-reduce (one host sync per step): a poisoned update
+        is never applied or saved, and every rank stops after the same step."""
+        model = self.model
+        checks = {"loss": torch.isfinite(loss.detach()).all(),
+                  "dictionaries": torch.isfinite(model.dict_v.keys).all()
+                  & torch.isfinite(model.dict_a.keys).all()}
+        grads = [p.grad for p in model.query_parameters() if p.grad is not None]
+        if grads and not self.scaler.is_enabled():
+            checks["gradients"] = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        flags = torch.cat([(~torch.stack(list(checks.values()))).float(),
+                           torch.tensor([float(self.signalled)], device=loss.device)])
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        *bad, stop = flags.tolist()
+        self.stop_requested = self.stop_requested or bool(stop)
+        return [name for name, b in zip(checks, bad) if b]
+
+    def _handle_nonfinite(self, what: list[str]) -> None:
+        run = self.cfg.run
+        self.nonfinite += 1
+        where = (f"non-finite {' and '.join(what)} at step {self.step + 1} (lr "
+                 f"{self.cfg.optim.lr_at(self.step):.2e}, amp {self.cfg.optim.amp})")
+        if run.on_nonfinite == "skip" and "dictionaries" not in what and \
+                self.nonfinite <= run.max_nonfinite:
+            log.warning("%s: step skipped (%d of at most %d)", where, self.nonfinite,
+                        run.max_nonfinite)
+            self.opt.zero_grad(set_to_none=True)
+            return
+        why = ("more than --max-nonfinite steps skipped" if run.on_nonfinite == "skip" and
+               "dictionaries" not in what else "")
+        raise NonFiniteLoss(
+            f"{where}{'; ' + why if why else ''}: stopped before any update or save; the last "
+            f"good checkpoint is {self.store.last or 'none (nothing was saved yet)'}. Lower --lr, "
+            "use --amp none or --on-nonfinite skip, and resume from it with --resume auto")
+
+    def _log_interval(self, stats, reset: bool = True):
+        """One metrics row; with the non-finite check, the only host syncs of the loop."""
         cfg, n = self.cfg, self.means.count
-        m = self.means.means()
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["acc"])):
-            raise NonFiniteLoss(
-                f"non-finite loss at step {self.step} (lr {cfg.optim.lr_at(self.step):.2e}, amp "
-                f"{cfg.optim.amp}); the last good checkpoint in {self.out} is kept. Lower --lr, "
-                "use --amp none, or resume from it")
+        if n == 0:  # every step since the last row was skipped (non-finite)
+            return
+        m = self.means.means(reset=reset)
         du.verify_ranks_agree(self.model, self.chash, self.last_enq, self.step)
-        self.stop_requested = du.any_rank(self.stop_requested, self.device)
         secs = self.timer.collect()
         clips_s = n * cfg.model.batch_size / (time.perf_counter() - self.t0) / self.world
         dev = self.device
@@ -331,5 +457,5 @@ class Trainer:
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
             else float("nan"),
             mem_gb=(torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda"
-            else float("nan")))
+            else float("nan"), nonfinite=float(self.nonfinite)))
         self.t0 = time.perf_counter()

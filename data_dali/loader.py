@@ -23,7 +23,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def read_manifest(path) -> Manifest:
-    """The manifest's rows (validated: paths inside the dataset root, ids 0..N-1)."""
+    """The manifest's rows, every one checked (``Manifest``: one ManifestError naming the bad lines)."""
     return Manifest(path)
 
 
@@ -216,10 +216,35 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                   need_audio=need_audio)
 
 
+HELD_OUT = 4  # the default split tests 1 in HELD_OUT clips of each class
+
+
+def held_out_split(labels, seed: int, ok=None) -> tuple[list[int], list[int]]:
+    """A seeded, stratified train/test split of the labelled rows (label >= 0) in ``ok``
+    (default: all): each class's clips in a random order drawn from ``seed``, the first
+    round(n / HELD_OUT) of them (at least one when the class has two or more) are the test
+    set. Deterministic for a seed; sorted index lists."""
+    by_class: dict[int, list[int]] = {}
+    for i in sorted(range(len(labels)) if ok is None else ok):
+        if int(labels[i]) >= 0:
+            by_class.setdefault(int(labels[i]), []).append(i)
+    g = torch.Generator().manual_seed(int(seed))
+    train, test = [], []
+    for c in sorted(by_class):
+        idx = by_class[c]
+        order = [idx[k] for k in torch.randperm(len(idx), generator=g).tolist()]
+        n_test = max(1, round(len(idx) / HELD_OUT)) if len(idx) > 1 else 0
+        test += order[:n_test]
+        train += order[n_test:]
+    return sorted(train), sorted(test)
+
+
 class EvalSplits:
     """Train/test splits of a prepared labelled dataset for ``cmacc.apps.eval``: the official
     UCF101/HMDB51 splits (columns split1..3), ESC-50's 5 folds (column fold: each fold is the
-    test set once), or, for a plain folder, split1 if present."""
+    test set once), a --list file's split column (split1), or, when the manifest has none of
+    these, one seeded stratified split "heldout" (1 in HELD_OUT clips of each class for testing;
+    ``held_out_split``), which is logged. Unlabeled clips (label -1) are in no split."""
 
     def __init__(self, manifest, *, modality="video", clip_frames=16, crop=112, seed=0):
         self.m = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
@@ -227,29 +252,32 @@ class EvalSplits:
         self.num_classes = self.m.num_classes
 
     def splits(self, wanted=None):
-        rows = self.m.rows
+        rows, labels = self.m.rows, self.m.label_array
         need_v, need_a = self.modality == "video", self.modality == "audio"
-        ok = set(self.m.select(need_video=need_v, need_audio=need_a))
+        ok = [i for i in self.m.select(need_video=need_v, need_audio=need_a) if labels[i] >= 0]
         out = []
-        folds = sorted({r["fold"] for r in rows if r.get("fold")}, key=lambda f: int(f))
-        if folds:
-            for f in folds:
-                if wanted and f not in wanted:
-                    continue
-                tr = [i for i in ok if rows[i]["fold"] != f]
-                te = [i for i in ok if rows[i]["fold"] == f]
-                out.append((f"fold{f}", torch.tensor(sorted(tr)), torch.tensor(sorted(te))))
+        folds = sorted({r["fold"] for r in rows if r.get("fold")}, key=_fold_key)
+        for f in folds:
+            if not wanted or f in wanted:
+                out.append((f"fold{f}", _tensor(i for i in ok if rows[i]["fold"] != f),
+                            _tensor(i for i in ok if rows[i]["fold"] == f)))
+        columns = [] if folds else [k for k in "123" if any(r.get(f"split{k}") for r in rows)]
+        for k in columns:
+            if not wanted or k in wanted:
+                col = f"split{k}"
+                out.append((col, _tensor(i for i in ok if rows[i][col] == "train"),
+                            _tensor(i for i in ok if rows[i][col] == "test")))
+        if folds or columns:
             return out
-        for k in ("1", "2", "3"):
-            col = f"split{k}"
-            if not any(r.get(col) for r in rows) or (wanted and k not in wanted):
-                continue
-            tr = [i for i in ok if rows[i][col] == "train"]
-            te = [i for i in ok if rows[i][col] == "test"]
-            out.append((col, torch.tensor(sorted(tr)), torch.tensor(sorted(te))))
-        if not out:
-            raise ValueError(f"{self.m.file}: no split1..3 or fold columns; prepare with "
-                             "--layout ucf101/hmdb51/esc50 or a --list file with a split column")
+        if not ok:
+            raise ManifestError(f"{self.m.file}: no labelled clips with {self.modality}; a probe "
+                                "needs labels (prepare SRC/<class>/<files> or a --list with labels)")
+        tr, te = held_out_split(labels, self.seed, ok)
+        log.info("%s: no split1..3 or fold columns; testing on a stratified 1 in %d of each "
+                 "class's clips (seed %d: %d train, %d test, split 'heldout')", self.m.file,
+                 HELD_OUT, self.seed, len(tr), len(te))
+        if not wanted or "heldout" in wanted:
+            out.append(("heldout", _tensor(tr), _tensor(te)))
         return out
 
     def batches(self, index, batch_size=64, shuffle_seed=None):
@@ -276,3 +304,12 @@ class EvalSplits:
                        for key in items[0]}
 
         return gen
+
+
+def _tensor(index) -> torch.Tensor:
+    return torch.tensor(list(index), dtype=torch.long)
+
+
+def _fold_key(fold: str):
+    """Folds in numeric order when they are numbers (ESC-50: 1..5), else by name."""
+    return (0, int(fold), "") if fold.strip().lstrip("-").isdigit() else (1, 0, fold)

@@ -1,25 +1,35 @@
 """The manifest: one row per prepared clip, the only thing the loaders read.
 
-Written by ``python -m data_dali.prepare``; format in docs/DATA.md. Paths are relative to the manifest's folder (the dataset root) and must resolve inside it: a
-manifest someone shared cannot make a loader read ``../../anything``. Every row is checked when
-the manifest is opened, so a bad manifest fails before training starts, naming the row.
+Written by ``python -m data_dali.prepare``; format in docs/DATA.md. Paths are relative to the
+manifest's folder (the dataset root) and must resolve inside it: a manifest someone shared
+cannot make a loader read ``../../anything``. Every row is checked when the manifest is opened
+(columns, ids, numbers, labels, files present, no row twice), so a bad manifest fails before
+any worker starts: one ManifestError naming the first few bad rows by line, and the fix.
 """
 
 from __future__ import annotations
 
 import csv
+import math
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from .cli import UserError
+
 REQUIRED = ("id", "video", "audio", "mel", "label", "frames", "fps")
 FIELDS = ["id", "video", "audio", "mel", "label", "class_name", "split1", "split2", "split3",
           "fold", "duration", "frames", "fps", "width", "height", "audio_present", "silent",
           "source"]
+MEDIA = ("video", "audio", "mel")
+UNLABELED = -1  # the label of a clip without one (pretraining uses it; probes leave it out)
+MAX_CLASSES = 100_000  # labels are < max(MAX_CLASSES, rows): a larger one is a damaged cell
+SHOWN = 5  # bad rows named in the error
+FIX = "re-run `python -m data_dali.prepare SRC OUT` to rewrite it (or correct those rows)"
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError, ValueError):
     """A manifest that cannot be used; the message names the file, the row and the fix."""
 
 
@@ -29,43 +39,107 @@ class Manifest:
 
     def __init__(self, path):
         self.file = Path(path).resolve()
+        if self.file.is_dir():
+            raise ManifestError(f"{path}: a folder, not a manifest; pass the manifest.csv in it "
+                                "(written by `python -m data_dali.prepare SRC OUT`)")
         if not self.file.is_file():
             raise FileNotFoundError(f"{path}: no manifest; create one with "
                                     "`python -m data_dali.prepare SRC OUT` (OUT/manifest.csv)")
         self.root = self.file.parent
-        with open(self.file, newline="") as f:
-            reader = csv.DictReader(f)
-            missing = sorted(set(REQUIRED) - set(reader.fieldnames or ()))
-            if missing:
-                raise ManifestError(f"{path}: not a data_dali manifest (missing columns {missing}); "
-                                    "re-run `python -m data_dali.prepare`")
-            self.rows = list(reader)
+        self.rows, lines = self._read(path)
+        self._check_rows(path, lines)
         names: dict[int, str] = {}
-        for i, r in enumerate(self.rows):
-            self._check_row(i, r)
-            names[int(r["label"])] = r.get("class_name") or str(r["label"])
-        n = max(names, default=-1) + 1
+        for r in self.rows:
+            if int(r["label"]) != UNLABELED:
+                names[int(r["label"])] = r.get("class_name") or str(r["label"])
+        n = max(names, default=-1) + 1  # bounded: every label was checked against the cap
         self.class_names = [names.get(i, str(i)) for i in range(n)]
         self.label_array = np.array([int(r["label"]) for r in self.rows], dtype=np.int64)
 
-    def _check_row(self, i: int, r: dict) -> None:
-        where = f"{self.file}, row {i + 2} (id {r.get('id')!r})"
+    def _read(self, path) -> tuple[list[dict], list[int]]:
+        """The rows and the line of each; the header checked."""
         try:
-            if int(r["id"]) != i:
-                raise ManifestError(f"{where}: id {r['id']} != its position {i}; ids must be "
-                                    "0..N-1 in order (they are the dataset indices); re-run prepare")
-            int(r["label"]), int(r["frames"] or 0)
-            if float(r["fps"]) <= 0:
-                raise ValueError("fps must be > 0")
-        except ManifestError:
-            raise
-        except (TypeError, ValueError) as e:
-            raise ManifestError(f"{where}: bad value ({e}); re-run `python -m data_dali.prepare`") from None
-        for k in ("video", "audio", "mel"):
+            with open(self.file, newline="", encoding="utf-8-sig") as f:
+                reader = csv.DictReader(f)
+                header = reader.fieldnames
+                if not header:
+                    raise ManifestError(f"{path}: empty file, not a manifest; {FIX}")
+                missing = [c for c in REQUIRED if c not in header]
+                if missing:
+                    raise ManifestError(f"{path}: not a data_dali manifest (missing columns "
+                                        f"{missing}; line 1 has {header[:8]}); {FIX}")
+                rows, lines = [], []
+                for r in reader:
+                    rows.append(r)
+                    lines.append(reader.line_num)  # its (last) line in the file
+        except (UnicodeDecodeError, csv.Error) as e:
+            raise ManifestError(f"{path}: not a CSV text file ({type(e).__name__}: "
+                                f"{str(e)[:80]}); {FIX}") from None
+        if not rows:
+            raise ManifestError(f"{path}: no clips (a header only); every source was rejected? "
+                                f"see rejects.csv next to it, then {FIX}")
+        return rows, lines
+
+    def _check_rows(self, path, lines: list[int]) -> None:
+        """Every row, before anything is allocated from it: one error naming the first few."""
+        cap = max(MAX_CLASSES, len(self.rows))
+        bad, seen = [], {}
+        for i, r in enumerate(self.rows):
+            problem = self._problem(i, r, cap) or self._duplicate(r, seen, lines[i])
+            if problem:
+                bad.append(f"line {lines[i]} (id {_show(r.get('id'))}): {problem}")
+        if bad:
+            more = f" (and {len(bad) - SHOWN} more)" if len(bad) > SHOWN else ""
+            raise ManifestError(f"{path}: {len(bad)} bad row(s) of {len(self.rows)}: "
+                                f"{'; '.join(bad[:SHOWN])}{more}; {FIX}")
+
+    def _problem(self, i: int, r: dict, cap: int) -> str | None:
+        """What is wrong with row i (the first thing found), else None. Media paths become
+        absolute (validated once)."""
+        if None in r or None in r.values():
+            return "wrong number of cells (a cell with a comma must be quoted)"
+        if _int(r["id"]) != i:
+            return f"id {_show(r['id'])} is not its position {i}; ids must be 0..N-1 in order"
+        label = _int(r["label"])
+        if label is None:
+            return (f"label {_show(r['label'])} is not an integer (class index from 0; "
+                    f"{UNLABELED} = unlabeled)")
+        if not (label == UNLABELED or 0 <= label < cap):
+            return (f"label {label} is out of range: labels are 0..{cap - 1} "
+                    f"(at most max({MAX_CLASSES}, rows) classes; {UNLABELED} = unlabeled)")
+        fps = _float(r["fps"])
+        if not (fps is not None and math.isfinite(fps) and fps > 0):
+            return f"fps {_show(r['fps'])} is not a number > 0"
+        frames = _int(r["frames"] or "0")
+        if frames is None or frames < 0 or (r["video"] and frames == 0):
+            return f"frames {_show(r['frames'])} is not a whole number > 0"
+        if (r.get("duration") or "").strip():
+            d = _float(r["duration"])
+            if not (d is not None and math.isfinite(d) and d > 0):
+                return f"duration {_show(r['duration'])} is not a number of seconds > 0"
+        if not any(r[k] for k in MEDIA):
+            return "no video, audio or mel path"
+        for k in MEDIA:
+            if not r[k]:
+                continue
+            p = (self.root / r[k]).resolve()
+            if self.root not in p.parents:
+                return (f"{k} path {_show(r[k])} escapes the dataset folder {self.root}; paths are "
+                        "relative to it and stay inside")
+            if not p.is_file():
+                return f"{k} file {_show(r[k])} is {'a folder' if p.is_dir() else 'missing'}"
+            r[k] = str(p)
+        return None
+
+    @staticmethod
+    def _duplicate(r: dict, seen: dict, line: int) -> str | None:
+        """A row whose media file an earlier row already has (the same clip twice)."""
+        for k in MEDIA:
             if r[k]:
-                r[k] = str(self.path(r[k], where))  # absolute from here on (validated once)
-        if not r["video"] and not r["mel"] and not r["audio"]:
-            raise ManifestError(f"{where}: no video, audio or mel path; re-run prepare")
+                if r[k] in seen:
+                    return f"the same {k} file as line {seen[r[k]]} (a row listed twice)"
+                seen[r[k]] = line
+        return None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -76,7 +150,7 @@ class Manifest:
 
     @property
     def labels(self):
-        """Labels of all rows as a torch long tensor (-1 = unlabeled)."""
+        """Labels of all rows as a torch long tensor (UNLABELED = -1: no label)."""
         import torch
 
         return torch.from_numpy(self.label_array)
@@ -122,6 +196,26 @@ class Manifest:
                 continue
             out.append(i)
         return out
+
+
+def _show(cell, width: int = 40) -> str:
+    """A cell for an error message: quoted, cut short."""
+    text = str(cell)
+    return repr(text if len(text) <= width else text[:width] + "...")
+
+
+def _int(text) -> int | None:
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        return None
+
+
+def _float(text) -> float | None:
+    try:
+        return float(str(text).strip())
+    except ValueError:
+        return None
 
 
 def parse_split(split) -> tuple[str, str] | None:

@@ -24,7 +24,6 @@ audio, silent, 5.1 audio, vertical video, ...).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from fractions import Fraction
@@ -33,7 +32,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cli import ArgumentParser, UserError, command, output_folder
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_text
+
+
+class SyntheticError(UserError, ValueError):
+    """A bad request for synthetic clips (sizes, counts): the message names the argument."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -42,7 +46,7 @@ from .fileio import atomic_path, atomic_write_bytes, atomic_write_text
 def group_size(redundancy: float) -> int:
     """How many consecutive instances of a class share their parameters: round(1 / (1 - r))."""
     if not 0.0 <= redundancy < 1.0:
-        raise ValueError(f"redundancy must be in [0, 1), got {redundancy}")
+        raise SyntheticError(f"redundancy must be in [0, 1), got {redundancy}")
     return max(1, round(1.0 / (1.0 - redundancy)))
 
 
@@ -248,7 +252,14 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
                   sr=16_000, redundancy=0.3, noise=0.15, seed=0) -> Path:
     """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,split: every 4th instance
     of a class is a test clip); return OUT. Existing files are kept (resumable)."""
-    out = Path(out)
+    for name, value, low in (("classes", classes, 1), ("per_class", per_class, 1), ("width", width, 2),
+                             ("height", height, 2), ("fps", fps, 1), ("sr", sr, 1000)):
+        if value < low:
+            raise SyntheticError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if not 0 < seconds * fps < 1e6:
+        raise SyntheticError(f"--seconds must give 1 to 10^6 frames at {fps} fps, got {seconds}")
+    group_size(redundancy)  # checks the range
+    out = output_folder(out, "OUT")
     listing = ["path,label,split"]
     rng = np.random.default_rng(seed)
     params = {}
@@ -346,13 +357,14 @@ def write_broken(out, fps=10, sr=16_000) -> dict:
     return dict(BROKEN)
 
 
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out")
+    p = ArgumentParser(prog="python -m data_dali.synthetic", description=__doc__)
+    p.add_argument("out", help="output folder (created if missing; existing clips are kept)")
     p.add_argument("--classes", type=int, default=8)
     p.add_argument("--per-class", type=int, default=12)
     p.add_argument("--seconds", type=float, default=3.0)
-    p.add_argument("--redundancy", type=float, default=0.3)
+    p.add_argument("--redundancy", type=float, default=0.3, help="in [0, 1): near-duplicate instances")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(write_dataset(args.out, args.classes, args.per_class, args.seconds,

@@ -35,3 +35,33 @@ def broken(tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared")
     summary = prep.prepare(src, out, workers=2, progress=False)
     return src, out, truth, summary
+
+
+@pytest.fixture(autouse=True)
+def _commands_log_only_within_their_test():
+    """Commands run in-process (here, or in session fixtures) install a stderr log handler
+    (data_dali.cli.setup_logging); each test starts and ends without it, so what a test reads
+    on stderr never depends on test order."""
+    import logging
+
+    from data_dali.cli import drop_logging
+
+    drop_logging()
+    yield
+    drop_logging()
+
+
+@pytest.fixture(scope="session")
+def tiny_prepared(tmp_path_factory):
+    """12 tiny synthetic clips (2 classes, class folders: no split columns) and their prepared
+    dataset: (source folder, prepared folder). Tests only read it."""
+    from data_dali import prepare as prep
+    from data_dali import synthetic
+
+    root = tmp_path_factory.mktemp("tiny")
+    src = synthetic.write_dataset(root / "src", classes=2, per_class=6, seconds=1.0, width=32,
+                                  height=24, fps=10)
+    (src / "list.csv").unlink()
+    prep.prepare(src, root / "clean", workers=1, progress=False,
+                 cfg=prep.PrepareConfig(short_side=16, min_seconds=0.5))
+    return src, root / "clean"

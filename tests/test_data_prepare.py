@@ -126,9 +126,9 @@ def test_resume_redoes_changed_sources_and_sweeps_temporaries(tmp_path):
     prep.prepare(src, out, workers=1, progress=False, cfg=cfg)
     killed = subprocess.Popen([sys.executable, "-c", ""])
     killed.wait()
-    stale = out / "clips" / "c" / f".a.webm.tmp{killed.pid}.webm"  # what a killed run leaves behind
+    stale = out / "clips" / "c" / f".a.mp4.webm.tmp{killed.pid}.webm"  # what a killed run leaves
     stale.write_bytes(b"half")
-    b_webm = out / "clips" / "c" / "b.webm"
+    b_webm = out / "clips" / "c" / "b.mp4.webm"
     b_mtime = b_webm.stat().st_mtime_ns
     synthetic.write_av(src / "c" / "a.mp4", frames[:15], 10, np.zeros(32000, np.float32), 16000)
     s = prep.prepare(src, out, workers=1, progress=False, cfg=cfg)
@@ -234,8 +234,8 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert "nowhere: source folder not found" in capsys.readouterr().err
     (tmp_path / "src").mkdir()
     with pytest.raises(SystemExit):
-        prep.main([str(tmp_path / "src"), str(tmp_path / "src" / "out")])
-    assert "OUT must be outside SRC" in capsys.readouterr().err
+        prep.main([str(tmp_path / "src"), str(tmp_path / "src")])
+    assert "OUT must not be SRC" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--short-side", "127"])
     assert "--short-side must be an even number" in capsys.readouterr().err

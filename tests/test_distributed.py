@@ -74,19 +74,35 @@ def test_batch_must_divide_over_ranks(tmp_path):
     assert p.returncode != 0 and "does not divide over 2 ranks" in p.stderr
 
 
-def test_sigterm_saves_and_exits_cleanly(tmp_path):
-    out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "train.py", "--preset", "tiny", "--steps", "100000",
-                          "--log-every", "1", "--out", str(out)],
-                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True)
+def _terminate_once_training(cmd, out, **popen):
+    """Start ``cmd``, SIGTERM it 2 s after its first metrics row; (returncode, stderr)."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, **popen)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.csv").exists():
         time.sleep(0.5)
     time.sleep(2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
-    assert p.returncode == 0, err[-2000:]
     found = ckpt.find_latest_valid(out)
-    assert found is not None and 0 < found[1]["step"] < 100000
+    assert found is not None and 0 < found[1]["step"] < 100000, err[-3000:]
+    return p.returncode, err
+
+
+LONG_RUN = ["train.py", "--preset", "tiny", "--steps", "100000", "--log-every", "1", "--out"]
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    rc, err = _terminate_once_training([sys.executable, *LONG_RUN, str(tmp_path / "run")],
+                                       tmp_path / "run")
+    assert rc == 0, err[-2000:]
     assert "stop signal" in err
+
+
+def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
+    """torchrun forwards SIGTERM to its workers: they agree to stop after the same step, save
+    and exit cleanly (torchrun itself then exits 1: its agent re-raises the signal)."""
+    _, err = _terminate_once_training(TORCHRUN + [*LONG_RUN, str(tmp_path / "run")],
+                                      tmp_path / "run", start_new_session=True)
+    assert "checkpoint (stop signal)" in err, err[-3000:]
+    assert "[rank0]" not in err and "[rank1]" not in err, err[-3000:]  # no worker traceback

@@ -62,6 +62,6 @@ def test_finetune_learns_the_synthetic_audio_classes(tiny_run):
 
 
 def test_eval_cli_names_a_missing_checkpoint(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         ev.main([str(tmp_path / "nothing-here")])
-    assert "no such checkpoint" in capsys.readouterr().err
+    assert e.value.code == 2 and "no such checkpoint" in capsys.readouterr().err

@@ -7,4 +7,35 @@
     python -m cmacc.apps.plot       training curves of runs to a PNG
 
 Apps import the library (cmacc.*, kernels, data_dali); the library never imports an app.
+Each ``main(argv)`` is a ``data_dali.cli.command``: a user's mistake is one line on stderr and
+exit 2 (``--debug`` keeps the traceback), checked before the first minute of work; parsers are
+``data_dali.cli.ArgumentParser`` (``--help`` lists ``--debug``); output folders go through
+``data_dali.cli.output_folder``.
 """
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from data_dali.cli import UserError, output_folder
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (anything else is the parser's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def output_file(path, flag: str = "--out") -> Path:
+    """``path`` as an output file (overwritten if it exists) in a folder that takes files."""
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{flag} {path}: is a folder; pass a file path, e.g. {p / 'curves.png'}")
+    output_folder(p.parent, flag)
+    return p

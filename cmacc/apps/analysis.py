@@ -8,26 +8,27 @@
 
 The training runs use the tiny preset on the built-in synthetic clips (CPU); pass
 ``--data MANIFEST`` to pretrain on a prepared dataset instead. Finished runs are resumed, not
-redone.
+redone. Everything a command needs (output folder, run configs, the data's evaluation splits
+for both encoders, the run to analyse) is checked before the first run starts.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
 import torch
 
-from cmacc.config import PRESETS
+from cmacc.config import PRESETS, Config
 from cmacc.data import synthetic_clips
 from cmacc.runlog import plot_metrics, save_figure
 from cmacc.trainer import Trainer
+from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
 from data_dali.fileio import atomic_write_text
 
-from .eval import evaluate, load_pretrained, write_results
+from . import positive_int
+from .eval import eval_data, evaluate, load_pretrained, write_results
 
 SAMPLER_LABELS = {"random": "random (XMoCo)", "active": "active, gradient (CM-ACC)",
                   "active-feature": "active, feature", "ohem": "OHEM"}
@@ -42,16 +43,38 @@ def _plt():
     return plt
 
 
-def pretrain(run_dir, sampler, steps, *, data="synthetic", **sections) -> dict:
-    """Tiny-preset pretraining (resumes if the run exists) + linear probes of both encoders.
-    ``sections``: further config overrides, e.g. ``model=dict(dict_size=32)``."""
-    run_dir = Path(run_dir)
-    over = {k: dict(v) for k, v in sections.items()}
+def run_config(run_dir, sampler, steps, *, data="synthetic", sections=None) -> Config:
+    """The tiny-preset config of one analysis run. ``sections``: further config overrides per
+    section, e.g. ``{"model": {"dict_size": 32}, "data": {"redundancy": 0.5}}``."""
+    over = {k: dict(v) for k, v in (sections or {}).items()}
     over.setdefault("selection", {})["sampler"] = sampler
     over.setdefault("data", {})["source"] = data
     over.setdefault("run", {}).update(steps=steps, out=str(run_dir), resume="auto", log_every=10,
                                       device="cuda" if torch.cuda.is_available() else "cpu")
-    Trainer(PRESETS["tiny"].replace(**over)).run()
+    return PRESETS["tiny"].replace(**over)
+
+
+def check_runs(runs: dict, steps, data="synthetic") -> None:
+    """Before the first of ``runs`` (run folder → (sampler, overrides)) starts: each config is
+    valid, ``data`` has evaluation splits for both encoders' probes (what ``pretrain`` needs
+    after training), and each run folder takes files (made here). A UserError otherwise."""
+    cfgs = []
+    for run_dir, (sampler, sections) in runs.items():
+        try:
+            cfgs.append(run_config(run_dir, sampler, steps, data=data, sections=sections))
+        except ValueError as e:
+            raise UserError(f"run {run_dir}: {e}") from None
+    for modality in ("video", "audio"):  # the runs share the data and its shape
+        eval_data(cfgs[0], data, modality=modality)
+    for run_dir in runs:
+        output_folder(run_dir, "--out")
+
+
+def pretrain(run_dir, sampler, steps, *, data="synthetic", sections=None) -> dict:
+    """Tiny-preset pretraining (resumes if the run exists) + linear probes of both encoders.
+    ``sections``: further config overrides (``run_config``)."""
+    run_dir = Path(run_dir)
+    Trainer(run_config(run_dir, sampler, steps, data=data, sections=sections)).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     model, state = load_pretrained(run_dir)
     for modality in ("video", "audio"):  # linear probes on the held-out clips
@@ -62,27 +85,37 @@ def pretrain(run_dir, sampler, steps, *, data="synthetic", **sections) -> dict:
 
 
 # -- (a) negative-category diversity per iteration ---------------------------------------------
+def diversity_runs(out, samplers=tuple(SAMPLER_LABELS)) -> dict:
+    """Run folder → (sampler, config overrides) of the diversity analysis."""
+    return {Path(out) / s: (s, {}) for s in samplers}
+
+
 def diversity(out, steps, data="synthetic", samplers=tuple(SAMPLER_LABELS)) -> dict:
     out = Path(out)
     runs, table = {}, {}
-    for s in samplers:
-        table[s] = pretrain(out / s, s, steps, data=data)
-        runs[SAMPLER_LABELS[s]] = str(out / s / "metrics.csv")
+    for run_dir, (s, sections) in diversity_runs(out, samplers).items():
+        table[s] = pretrain(run_dir, s, steps, data=data, sections=sections)
+        runs[SAMPLER_LABELS[s]] = str(run_dir / "metrics.csv")
     png = plot_metrics(runs, out / "diversity.png", keys=("diversity", "acc", "gnorm"))
     return {"png": str(png), "runs": table}
 
 
 # -- (d) dictionary size K, random vs active ---------------------------------------------------
+def dictsize_runs(out, sizes) -> dict:
+    """Run folder → (sampler, config overrides) of the dictionary-size analysis."""
+    return {Path(out) / f"K{k}_{s}": (s, dict(model=dict(dict_size=k),
+                                              selection=dict(pool_size=3 * k + 32)))
+            for k in sizes for s in ("random", "active")}
+
+
 def dictsize(out, steps, sizes, data="synthetic") -> dict:
     out = Path(out)
     rows = []
-    for k in sizes:
-        for s in ("random", "active"):
-            summ = pretrain(out / f"K{k}_{s}", s, steps, data=data, model=dict(dict_size=k),
-                            selection=dict(pool_size=3 * k + 32))
-            rows.append(dict(K=k, sampler=s, acc=summ["acc_last"],
-                             probe_video=summ.get("probe_video", float("nan")),
-                             probe_audio=summ.get("probe_audio", float("nan"))))
+    for run_dir, (s, sections) in dictsize_runs(out, sizes).items():
+        summ = pretrain(run_dir, s, steps, data=data, sections=sections)
+        rows.append(dict(K=sections["model"]["dict_size"], sampler=s, acc=summ["acc_last"],
+                         probe_video=summ.get("probe_video", float("nan")),
+                         probe_audio=summ.get("probe_audio", float("nan"))))
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, key in zip(axes, ("acc", "probe_video")):
@@ -105,9 +138,7 @@ def gallery(run, out, n_queries=3, n_show=4, seed=0) -> dict:
     the hardest (largest last-layer gradient norm) and easiest (smallest), centre frames."""
     from kernels import grad_embed
 
-    model, state = load_pretrained(run)
-    model.eval()
-    data = _toy(state)
+    model, data = synthetic_run(run)
     m = model.cfg.batch_size
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(data), generator=g)
@@ -152,9 +183,7 @@ def _frame(ax, video, title):
 def perclass(run, out, top=5) -> dict:
     """Cross-modal pretext top-1 (positive key beats every dictionary key) per class, both
     directions, with the checkpoint's dictionaries."""
-    model, state = load_pretrained(run)
-    model.eval()
-    data = _toy(state)
+    model, data = synthetic_run(run)
     hits = {"video→audio": torch.zeros(data.num_classes), "audio→video": torch.zeros(data.num_classes)}
     n = torch.zeros(data.num_classes)
     for s in range(0, len(data), 64):
@@ -186,13 +215,16 @@ def perclass(run, out, top=5) -> dict:
             "bottom": {k: r[-top:] for k, r in ranked.items()}}
 
 
-def _toy(state):
-    """The synthetic clips a checkpoint was pretrained on."""
+def synthetic_run(run):
+    """The model of a run (eval mode) and the synthetic clips it was pretrained on; a
+    UserError when the run was pretrained on a prepared dataset."""
+    model, state = load_pretrained(run)
     cfg = state["cfg"]
     if not cfg.data.synthetic:
-        raise ValueError(f"this analysis reads the built-in synthetic clips; the run was "
-                         f"pretrained on {cfg.data.source}: pass a run made with --data synthetic")
-    return synthetic_clips(cfg.data, cfg.model.seed)
+        raise UserError(f"{run}: gallery and perclass read the built-in synthetic clips, but this "
+                        f"run was pretrained on {cfg.data.source}; pass a run made with --data "
+                        "synthetic")
+    return model.eval(), synthetic_clips(cfg.data, cfg.model.seed)
 
 
 def write_report(out, results: dict) -> Path:
@@ -227,21 +259,33 @@ def write_report(out, results: dict) -> Path:
     return path
 
 
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("what", choices=("diversity", "dictsize", "gallery", "perclass", "all"))
-    p.add_argument("run", nargs="?", help="run folder (gallery, perclass)")
+    p.add_argument("run", nargs="?", help="run folder (gallery, perclass; all: default OUT/active)")
     p.add_argument("--out", default="runs/analysis")
-    p.add_argument("--steps", type=int, default=120)
-    p.add_argument("--sizes", type=int, nargs="+", default=[32, 64, 128])
+    p.add_argument("--steps", type=positive_int, default=120)
+    p.add_argument("--sizes", type=positive_int, nargs="+", default=[32, 64, 128])
     p.add_argument("--data", default="synthetic")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    setup_logging()
     if args.what in ("gallery", "perclass") and not args.run:
         p.error(f"{args.what} needs a run folder (a pretrained checkpoint), e.g. runs/analysis/active")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.what == "all" and args.data != "synthetic" and not args.run:
+        raise UserError(f"all --data {args.data}: gallery and perclass read the built-in synthetic "
+                        "clips, so OUT/active (pretrained on --data) cannot serve them; run "
+                        "diversity and dictsize with --data, or pass a synthetic run folder")
+    out = output_folder(args.out, "--out")
+    runs = {}  # everything to pretrain, checked before the first run starts
+    if args.what in ("diversity", "all"):
+        runs.update(diversity_runs(out))
+    if args.what in ("dictsize", "all"):
+        runs.update(dictsize_runs(out, args.sizes))
+    if runs and args.run:  # all RUN: the run analysed after the pretraining
+        synthetic_run(args.run)
+    if runs:
+        check_runs(runs, args.steps, args.data)
     results = {}
     if args.what in ("diversity", "all"):
         results["diversity"] = diversity(out, args.steps, args.data)

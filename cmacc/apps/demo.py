@@ -15,8 +15,6 @@ on the train split and scored on the test split.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 from pathlib import Path
 
@@ -24,8 +22,10 @@ import torch
 
 from cmacc.model import CMACC
 from cmacc.runlog import plot_metrics
+from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
 
-from .analysis import pretrain
+from . import positive_int
+from .analysis import check_runs, pretrain
 from .eval import evaluate, load_pretrained
 
 
@@ -42,23 +42,24 @@ def prepare_demo_data(out: Path, classes=8, per_class=16) -> str:
     return summary["manifest"]
 
 
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=positive_int, default=150)
     p.add_argument("--data", choices=("files", "toy"), default="files",
                    help="files: synthetic MP4s through prepare + loaders (default); toy: in-memory clips")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
-    out = Path(args.out)
+    setup_logging()
+    out = output_folder(args.out, "--out")
     data = prepare_demo_data(out) if args.data == "files" else "synthetic"
     extra = dict(data=dict(redundancy=0.5)) if args.data == "toy" else {}
     runs = {"XMoCo (random)": ("random", out / "xmoco"), "CM-ACC (active)": ("active", out / "cmacc")}
+    check_runs({d: (s, extra) for s, d in runs.values()}, args.steps, data)  # before pretraining
     summaries = {}
     for label, (sampler, run_dir) in runs.items():
         print(f"\n=== {label}: {args.steps} steps ===", flush=True)
-        summaries[label] = pretrain(run_dir, sampler, args.steps, data=data, **extra)
+        summaries[label] = pretrain(run_dir, sampler, args.steps, data=data, sections=extra)
     # the floor: the same encoders, untrained
     model, state = load_pretrained(out / "xmoco")
     torch.manual_seed(model.cfg.seed)

@@ -12,9 +12,10 @@ was pretrained on (held-out instances); a manifest comes from ``python -m data_d
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
+import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -25,9 +26,17 @@ from cmacc.config import Config
 from cmacc.data import eval_splits
 from cmacc.model import CMACC
 from cmacc.probe import extract_features, finetune, linear_probe
+from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
 from data_dali.fileio import atomic_write_text
 
+from . import positive_int
+
 log = logging.getLogger("cmacc.eval")
+_FIX = "pass a ckpt_*.pt file written by train.py, or its run folder"
+
+
+class CheckpointError(UserError):
+    """A path that is not a usable train.py checkpoint or run folder; the message says why."""
 
 
 def load_pretrained(path) -> tuple[CMACC, dict]:
@@ -37,18 +46,85 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
         if found is None:
-            raise FileNotFoundError(f"{p}: no readable checkpoint (ckpt_*.pt) in this folder")
+            raise CheckpointError(f"{p}: no readable checkpoint (ckpt_*.pt) in this folder; {_FIX}")
         p, state = found
+    elif not p.is_file():
+        raise CheckpointError(f"{p}: no such checkpoint file or run folder; {_FIX}")
     else:
-        if not p.is_file():
-            raise FileNotFoundError(f"{p}: no such checkpoint file")
-        state = ckpt.load(p)
+        try:
+            state = ckpt.load(p)
+        except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:
+            raise CheckpointError(f"{p}: not a checkpoint file ({_why_unloadable(e)}); "
+                                  f"{_FIX}") from None
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
-        raise KeyError(f"{p} is not a checkpoint written by train.py (no config/model)")
-    state["cfg"] = cfg = Config.from_dict(state["config"])
+        raise CheckpointError(f"{p}: a torch file, but not a checkpoint written by train.py (no "
+                              f"config/model); {_FIX}")
+    try:
+        state["cfg"] = cfg = Config.from_dict(state["config"])
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"{p}: its config does not fit this version of cmacc ({e}); "
+                              "re-train it with train.py") from None
     model = CMACC(cfg.model, cfg.selection)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{p}: its weights do not match its own config "
+                              f"({str(e).splitlines()[0][:160]}); {_FIX}") from None
     return model, state
+
+
+def _why_unloadable(e: Exception) -> str:
+    if isinstance(e, pickle.UnpicklingError):
+        return ("torch.load(weights_only=True) refuses it: not a torch.save file of tensors and "
+                "plain containers")
+    if isinstance(e, EOFError):
+        return "empty or truncated"
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+
+
+def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, frames=None):
+    """The evaluation data of a run pretrained with ``cfg``, and its (name, train, test) splits
+    to run. Cheap (no clip is decoded), so the apps call it before any long work: a UserError
+    naming --data / --splits when the data cannot serve the protocol."""
+    if frames is None and protocol == "finetune" and modality == "video" and data != "synthetic":
+        frames = 32  # the paper fine-tunes on 32-frame clips
+    try:
+        ds = eval_splits(data, cfg.data, cfg.model.seed, modality=modality, frames=frames)
+        available = ds.splits()
+    except UserError:
+        raise
+    except (FileNotFoundError, ValueError) as e:
+        msg = str(e) if str(e).startswith(str(data)) else f"{data}: {e}"
+        raise UserError(f"--data {msg}") from None
+    if not available:
+        raise UserError(f"--data {data}: no train/test splits for the {modality} encoder; prepare "
+                        "it with --layout ucf101/hmdb51/esc50 or a --list file with a split column")
+    keys = {_split_key(name): name for name, _, _ in available}
+    chosen = available
+    if splits:
+        wanted = {str(s) for s in splits}
+        unknown = sorted(wanted - set(keys) - set(keys.values()))
+        if unknown:
+            raise UserError(f"--splits {' '.join(unknown)}: {data} has splits {', '.join(keys)}; "
+                            "pass some of those or drop --splits")
+        chosen = [t for t in available if t[0] in wanted or _split_key(t[0]) in wanted]
+    for name, tr, te in chosen:
+        if len(tr) == 0 or len(te) == 0:
+            raise UserError(f"--data {data}: {name} has {len(tr)} train and {len(te)} test clips "
+                            f"with {modality}; a probe needs both (prepare the data with "
+                            f"{modality}, or choose another --modality / --splits)")
+    if ds.num_classes < 2:
+        raise UserError(f"--data {data}: {ds.num_classes} labelled class(es); a probe needs >= 2 "
+                        "(prepare a labelled dataset)")
+    return ds, chosen
+
+
+def _split_key(name: str) -> str:
+    """What --splits calls a split: split2 → "2", fold3 → "3"; other names as they are."""
+    m = re.search(r"(\d+)$", name)
+    return m.group(1) if m else name
 
 
 def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu", clips=1,
@@ -57,12 +133,10 @@ def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu
     pretraining clip length; the paper fine-tunes on 32-frame clips: --frames 32)."""
     enc = model.f_v if modality == "video" else model.f_a
     key = "video" if modality == "video" else "audio"
-    cfg = state["cfg"]
-    if frames is None and protocol == "finetune" and modality == "video" and data != "synthetic":
-        frames = 32  # the paper fine-tunes on 32-frame clips
-    ds = eval_splits(data, cfg.data, cfg.model.seed, modality=modality, frames=frames)
+    ds, chosen = eval_data(state["cfg"], data, modality=modality, protocol=protocol,
+                           splits=splits, frames=frames)
     results = []
-    for name, tr, te in ds.splits(splits):
+    for name, tr, te in chosen:
         backbone = _fresh_copy(enc.backbone).to(device)
         if protocol == "linear":
             xtr, ytr, _ = extract_features(backbone, ds.batches(tr, batch_size), key, device, 1)
@@ -100,35 +174,36 @@ def write_results(res: dict, out: Path) -> tuple[Path, Path]:
     return js, md
 
 
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("checkpoint", help="a ckpt_*.pt file or a run folder (newest valid checkpoint)")
     p.add_argument("--data", default="synthetic", help="'synthetic' or a prepared manifest")
     p.add_argument("--modality", choices=("video", "audio"), default="video")
     p.add_argument("--protocol", choices=("linear", "finetune"), default="linear")
     p.add_argument("--splits", nargs="*", help="official splits / folds to run (default: all)")
-    p.add_argument("--clips", type=int, default=1, help="test clips per video (averaged)")
-    p.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs")
+    p.add_argument("--clips", type=positive_int, default=1, help="test clips per video (averaged)")
+    p.add_argument("--epochs", type=positive_int, default=10, help="fine-tuning epochs")
     p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--frames", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--frames", type=positive_int, default=None,
                    help="clip length on prepared data (default: the pretraining length for linear probes, "
                         "32 for video fine-tuning as in the paper)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None)
     p.add_argument("--out", default=None, help="results folder (default: <run>/eval)")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
-    try:
-        model, state = load_pretrained(args.checkpoint)
-    except (FileNotFoundError, KeyError, RuntimeError) as e:
-        p.error(f"cannot load {args.checkpoint}: {e}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    setup_logging()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
+    model, state = load_pretrained(args.checkpoint)
+    run = Path(args.checkpoint)
+    out = output_folder(args.out or (run if run.is_dir() else run.parent) / "eval", "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     res = evaluate(model, state, args.data, modality=args.modality, protocol=args.protocol,
                    splits=args.splits, device=device, clips=args.clips, epochs=args.epochs,
                    lr=args.lr, batch_size=args.batch_size, frames=args.frames)
-    run = Path(args.checkpoint)
-    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "eval"
     js, md = write_results(res, out)
     print(md.read_text())
     print(f"results: {js}")

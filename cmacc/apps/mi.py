@@ -15,7 +15,6 @@ writes a small generated stand-in in that layout (for trying the command without
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -29,12 +28,20 @@ from cmacc.config import ModelConfig, SelectionConfig
 from cmacc.model import CMACC
 from cmacc.probe import linear_probe
 from cmacc.runlog import save_figure
+from data_dali.cli import ArgumentParser, UserError, command, output_folder
 from data_dali.fileio import atomic_write_text
 
+from . import positive_int
+
 CELL = 32
+TRAIN_DRAWERS = 14  # drawers 0..13 make the training pairs, the rest (>= 2) the test pairs
 METHODS = {"SMoCo": ("smoco", "random"),  # (objective, sampler)
            "XMoCo": ("cross", "random"),
            "CM-ACC": ("cross", "active")}
+
+
+class OmniglotError(UserError, FileNotFoundError):
+    """An Omniglot folder that is missing or lacks what the study needs; the message says what."""
 
 
 class Glyphs:
@@ -45,28 +52,31 @@ class Glyphs:
         # the downloaded zip files being present, which a copied folder may lack)
         base = Path(root) / "omniglot-py" / "images_background"
         if not base.is_dir():
-            raise FileNotFoundError(
+            raise OmniglotError(
                 f"{root}: no Omniglot in torchvision's layout; expected "
                 f"{base}/<alphabet>/<character>/*.png (torchvision.datasets.Omniglot(ROOT, "
-                "download=True) writes it)")
+                "download=True) writes it; --make-glyphs DIR makes a generated stand-in)")
         self.alphabets = []  # per alphabet: list of [drawers, 32, 32] tensors
         for a in sorted(p for p in base.iterdir() if p.is_dir())[:max_alphabets]:
             chars = []
             for ch in sorted(p for p in a.iterdir() if p.is_dir())[:max_chars]:
                 files = sorted(ch.glob("*.png"))
                 if len(files) < 2:
-                    raise FileNotFoundError(f"{ch}: needs >= 2 drawings (.png) per character")
+                    raise OmniglotError(f"{ch}: needs >= 2 drawings (.png) per character")
                 chars.append(torch.stack([self._load(f) for f in files]))
             if chars:
                 self.alphabets.append(chars)
         if not self.alphabets:
-            raise FileNotFoundError(f"{base}: no alphabet folders with characters")
+            raise OmniglotError(f"{base}: no alphabet folders with characters")
 
     @staticmethod
     def _load(path):
         from PIL import Image
 
-        img = Image.open(path).convert("L").resize((CELL, CELL), Image.BILINEAR)
+        try:
+            img = Image.open(path).convert("L").resize((CELL, CELL), Image.BILINEAR)
+        except OSError as e:
+            raise OmniglotError(f"{path}: not a readable image ({e}); replace or remove it") from None
         t = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).float()
         return 1.0 - t.view(CELL, CELL) / 255.0  # ink = 1
 
@@ -157,13 +167,16 @@ def probe_accuracy(model, train: MultiOmniglotPairs, test: MultiOmniglotPairs) -
 def run(root, out, chars=(1, 2, 4, 9), steps=300, batch=32, n_train=2000, n_test=500, seed=0,
         methods=tuple(METHODS)) -> dict:
     glyphs = Glyphs(root)
+    check_glyphs(glyphs, root, max(chars))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"chars": list(chars), "mi": [], **{m: [] for m in methods}}
     for l in chars:
-        # drawers 0..13 make the training pairs, 14..19 the test pairs (unseen handwriting)
-        tr = MultiOmniglotPairs(glyphs, l, n_train, seed=seed + l, drawers=slice(0, 14))
-        te = MultiOmniglotPairs(glyphs, l, n_test, seed=seed + 100 + l, drawers=slice(14, None))
+        # drawers 0..13 make the training pairs, 14.. the test pairs (unseen handwriting)
+        tr = MultiOmniglotPairs(glyphs, l, n_train, seed=seed + l,
+                                drawers=slice(0, TRAIN_DRAWERS))
+        te = MultiOmniglotPairs(glyphs, l, n_test, seed=seed + 100 + l,
+                                drawers=slice(TRAIN_DRAWERS, None))
         results["mi"].append(tr.mutual_information)
         for m in methods:
             model = train_one(m, tr, steps=steps, batch=batch, seed=seed)
@@ -174,6 +187,20 @@ def run(root, out, chars=(1, 2, 4, 9), steps=300, batch=32, n_train=2000, n_test
     atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     _plot(results, methods, out / "mi.png")
     return results
+
+
+def check_glyphs(glyphs: Glyphs, root, max_chars: int) -> None:
+    """Before any training: enough alphabets for ``max_chars`` characters, and enough drawers
+    per character for disjoint train and test hands."""
+    if max_chars > len(glyphs.alphabets):
+        raise OmniglotError(f"{root}: {max_chars} characters need {max_chars} alphabets, the "
+                            f"folder has {len(glyphs.alphabets)}; pass a smaller --chars or the "
+                            "full Omniglot images_background")
+    fewest = min(c.shape[0] for a in glyphs.alphabets[:max_chars] for c in a)
+    if fewest < TRAIN_DRAWERS + 2:
+        raise OmniglotError(f"{root}: a character has only {fewest} drawings; the study needs "
+                            f">= {TRAIN_DRAWERS + 2} ({TRAIN_DRAWERS} training hands, >= 2 test "
+                            "hands; Omniglot has 20)")
 
 
 def _plot(results, methods, png):
@@ -215,34 +242,35 @@ def make_glyphs(root, alphabets=9, chars=8, drawers=20, seed=0) -> Path:
     return Path(root)
 
 
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("--omniglot", help="folder holding omniglot-py/images_background")
     p.add_argument("--make-glyphs", metavar="DIR", help="write generated glyphs there and use them")
     p.add_argument("--out", default="runs/mi")
-    p.add_argument("--chars", type=int, nargs="+", default=[1, 2, 4, 9])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--train-pairs", type=int, default=2000)
-    p.add_argument("--test-pairs", type=int, default=500)
+    p.add_argument("--chars", type=positive_int, nargs="+", default=[1, 2, 4, 9])
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--train-pairs", type=positive_int, default=2000)
+    p.add_argument("--test-pairs", type=positive_int, default=500)
     args = p.parse_args(argv)
-    if args.make_glyphs:
-        root = make_glyphs(args.make_glyphs, alphabets=max(args.chars))
-    elif args.omniglot:
-        root = args.omniglot
-    else:
+    if not (args.make_glyphs or args.omniglot):
         p.error("pass --omniglot ROOT (torchvision layout) or --make-glyphs DIR")
-    if max(args.chars) > 9 or min(args.chars) < 1:
+    if max(args.chars) > 9:
         p.error("--chars must be between 1 and 9")
-    try:
-        res = run(root, args.out, tuple(args.chars), args.steps, args.batch, args.train_pairs,
-                  args.test_pairs)
-    except (FileNotFoundError, ValueError) as e:
-        p.error(str(e))
+    if args.train_pairs < args.batch:
+        p.error(f"--train-pairs {args.train_pairs} is smaller than --batch {args.batch}")
+    output_folder(args.out, "--out")
+    if args.make_glyphs:
+        root = make_glyphs(output_folder(args.make_glyphs, "--make-glyphs"),
+                           alphabets=max(args.chars))
+    else:
+        root = args.omniglot
+    run(root, args.out, tuple(args.chars), args.steps, args.batch, args.train_pairs,
+        args.test_pairs)
     print(f"plot: {Path(args.out) / 'mi.png'}  results: {Path(args.out) / 'mi.json'}")
-    return res
+    return 0
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    sys.exit(main())

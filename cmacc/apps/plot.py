@@ -5,27 +5,57 @@
 
 from __future__ import annotations
 
-import argparse
+import csv
 import sys
 from pathlib import Path
 
 from cmacc.runlog import plot_metrics
+from data_dali.cli import ArgumentParser, UserError, command
+
+from . import output_file
 
 
+def metrics_columns(run) -> tuple[Path, list[str]]:
+    """The metrics.csv of a run folder (or the file itself) and its columns; a UserError when
+    there is none or it is not one train.py wrote."""
+    path = Path(run) / "metrics.csv" if Path(run).is_dir() else Path(run)
+    if not path.is_file():
+        where = "in this folder" if Path(run).is_dir() else "there"
+        raise UserError(f"{run}: no metrics.csv {where}; pass a run folder written by train.py "
+                        "or its metrics.csv")
+    try:
+        with open(path, newline="") as f:
+            columns = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError(f"{path}: cannot read it as a CSV ({e}); pass a metrics.csv written by "
+                        "train.py") from None
+    if "step" not in columns:
+        raise UserError(f"{path}: not a metrics.csv written by train.py (no 'step' column); pass "
+                        "a run folder written by train.py")
+    return path, columns
+
+
+@command
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__)
     p.add_argument("runs", nargs="+", help="run folders (each with metrics.csv) or metrics.csv files")
     p.add_argument("--out", default="curves.png")
     p.add_argument("--keys", nargs="+", default=["loss", "acc", "diversity", "gnorm"],
                    help="metrics.csv columns, one panel each")
     args = p.parse_args(argv)
-    paths = {}
+    paths, columns = {}, set()
     for r in args.runs:
-        path = Path(r) / "metrics.csv" if Path(r).is_dir() else Path(r)
-        if not path.is_file():
-            p.error(f"{r}: no metrics.csv there; pass a run folder written by train.py")
-        paths[path.parent.name or str(path)] = str(path)
-    print(plot_metrics(paths, args.out, keys=tuple(args.keys)))
+        path, cols = metrics_columns(r)
+        label = path.parent.name or str(path)
+        paths[str(path.parent) if label in paths else label] = str(path)  # two runs, one name
+        columns.update(cols)
+    missing = [k for k in args.keys if k not in columns]
+    if missing:
+        have = ", ".join(sorted(columns - {"step"}))
+        raise UserError(f"--keys {' '.join(missing)}: no such column in "
+                        f"{', '.join(paths.values())}; columns: {have}")
+    out = output_file(args.out)
+    print(plot_metrics(paths, out, keys=tuple(args.keys)))
     return 0
 
 

@@ -1,0 +1,119 @@
+"""The error convention of every command of the project: a user's mistake is one line on
+stderr naming the thing and the fix, exit code 2, no traceback (``--debug`` shows it); a real
+bug still raises.
+
+    class MyError(UserError): ...            # or raise UserError("--out X: ...; use ...")
+
+    @command
+    def main(argv=None) -> int: ...
+
+Lives in data_dali, the bottom layer, so that ``python -m data_dali.prepare`` and the commands
+built on cmacc (train.py, cmacc.apps.*) share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import functools
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+USER_ERROR_EXIT = 2
+DEBUG_HELP = "show the full traceback of an error (errors are one line otherwise)"
+# errors of the disk being written, not of the data: full, over quota, mounted read-only
+DISK_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS") if hasattr(errno, n))
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for (flags, files, data): the message says which and
+    what to do. Commands print it as one line and exit 2."""
+
+
+def wants_debug(argv) -> bool:
+    return "--debug" in (sys.argv[1:] if argv is None else argv)
+
+
+def strip_debug(argv):
+    """argv without --debug (commands accept it anywhere)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return [a for a in args if a != "--debug"]
+
+
+def command(main):
+    """Wrap a command's ``main(argv)``: UserError → ``error: <message>`` on stderr, exit 2;
+    ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv without --debug."""
+
+    @functools.wraps(main)
+    def run(argv=None):
+        debug = wants_debug(argv)
+        try:
+            return main(strip_debug(argv))
+        except UserError as e:
+            if debug:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(USER_ERROR_EXIT) from None
+
+    return run
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for a ``@command``: a bad flag or value is a UserError (one line, exit 2)
+    rather than the usage block; ``--debug`` is listed in ``--help``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+
+    def error(self, message):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def output_folder(path, flag: str = "OUT") -> Path:
+    """``path`` as an output folder: created if missing, and proven to take files (a real
+    write, so read-only mounts, quotas and ACLs count); a UserError naming ``flag`` otherwise."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {path}: is a file, not a folder; pass a folder (created if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); pass a folder "
+                        "you can write to") from None
+    return p
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (test runners swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
+def setup_logging(quiet: bool = False) -> None:
+    """INFO (WARNING when ``quiet``, e.g. ranks > 0) to stderr with a time stamp; one handler
+    per process however often a command runs in it."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _StderrHandler) for h in root.handlers):
+        h = _StderrHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        root.addHandler(h)
+    root.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def drop_logging() -> None:
+    """Undo ``setup_logging`` (for in-process callers such as tests)."""
+    root = logging.getLogger()
+    root.handlers = [h for h in root.handlers if not isinstance(h, _StderrHandler)]
+    root.setLevel(logging.WARNING)

@@ -1,0 +1,247 @@
+"""Faults injected into pretraining, and what survives: other runs' checkpoints, the last good
+checkpoint under NaN, a full disk and kill -9; metrics and summary equal to an uninterrupted run
+after a resume; bad command lines end in one line on stderr, exit 2, no traceback."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from cmacc import checkpoint as ckpt
+from cmacc.model import CMACC
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "tiny", "--clips", "96", "--classes", "6", "--log-every", "2"]
+TIMING = {"clips_per_s", "t_data", "t_step", "t_select", "mfu", "mem_gb"}
+
+
+def _rows(out):
+    with open(out / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k not in TIMING} for r in csv.DictReader(f)]
+
+
+def _ckpts(out):
+    return sorted(p.name for p in out.glob("ckpt_*.pt"))
+
+
+def _usage_error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+# -- checkpoints: one run per folder, retention deletes only this run's ------------------------
+def test_new_run_never_deletes_or_overwrites_another_runs_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "4", "--ckpt-every", "1", "--out", str(out)])
+    before = {p: p.read_bytes() for p in out.glob("ckpt_*.pt")}
+    assert len(before) == 3  # keep=3 of this run
+    err = _usage_error(capsys, TINY + ["--steps", "6", "--resume", "none", "--out", str(out)])
+    assert "already holds run" in err and "another --out" in err
+    assert {p: p.read_bytes() for p in out.glob("ckpt_*.pt")} == before
+
+
+def test_retention_keeps_newest_valid_and_never_touches_foreign_files(tmp_path):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "2", "--ckpt-every", "1", "--out", str(out)])
+    corrupt = out / "ckpt_99999999.pt"  # newer by name, unreadable: must not push ours out
+    corrupt.write_bytes(b"\x00" * 100)
+    foreign = out / "ckpt_00000001.pt.bak"
+    foreign.write_bytes(b"keep me")
+    train.main(TINY + ["--steps", "8", "--ckpt-every", "1", "--keep", "2", "--out", str(out)])
+    assert _ckpts(out) == ["ckpt_00000007.pt", "ckpt_00000008.pt", "ckpt_99999999.pt"]
+    assert foreign.read_bytes() == b"keep me"
+    path, state = ckpt.find_latest_valid(out, json.loads((out / "run.json").read_text())["run_id"])
+    assert path.name == "ckpt_00000008.pt" and state["step"] == 8
+
+
+def test_resume_auto_names_the_skipped_checkpoints(tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "3", "--out", str(out)])
+    (out / "ckpt_00000009.pt").write_bytes(b"truncated")
+    capsys.readouterr()
+    train.main(TINY + ["--steps", "5", "--out", str(out)])
+    log = capsys.readouterr().err
+    assert "skipping checkpoint" in log and "ckpt_00000009.pt" in log
+    assert "ckpt_00000003.pt (step 3)" in log and "resumed run" in log
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    path = out / "ckpt_00000002.pt"
+    state = ckpt.load(path)
+    state["world_size"] = 8
+    torch.save(state, path)
+    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
+    assert "written by 8 ranks" in err and "same number of ranks" in err
+
+
+# -- non-finite losses: stop before any save, or skip -----------------------------------------
+@pytest.fixture
+def nan_at_step(monkeypatch):
+    """CMACC.forward returns a NaN loss at the given step (0-based iteration index)."""
+    def install(bad_step):
+        real = CMACC.forward
+
+        def forward(self, *args, step, **kw):
+            loss, stats = real(self, *args, step=step, **kw)
+            return (loss * float("nan") if step == bad_step else loss), stats
+
+        monkeypatch.setattr(CMACC, "forward", forward)
+    return install
+
+
+def test_nan_stops_the_run_without_a_poisoned_checkpoint(tmp_path, capsys, nan_at_step):
+    out = tmp_path / "run"
+    nan_at_step(4)  # the 5th iteration
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--steps", "10", "--ckpt-every", "1", "--keep", "10", "--out", str(out)])
+    assert e.value.code != 0
+    msg = str(e.value.code)
+    assert "non-finite loss" in msg and "at step 5" in msg and str(out / "ckpt_00000004.pt") in msg
+    assert _ckpts(out) == [f"ckpt_{s:08d}.pt" for s in range(1, 5)]  # nothing after the NaN
+    for name in _ckpts(out):
+        assert all(torch.isfinite(v).all() for v in ckpt.load(out / name)["model"].values()
+                   if torch.is_tensor(v) and v.is_floating_point())
+
+
+def test_nan_steps_can_be_skipped_and_counted(tmp_path, nan_at_step):
+    out = tmp_path / "run"
+    nan_at_step(3)
+    train.main(TINY + ["--steps", "6", "--on-nonfinite", "skip", "--out", str(out)])
+    rows = _rows(out)
+    assert [float(r["nonfinite"]) for r in rows] == [0.0, 1.0, 1.0]
+    assert all(float(r["loss"]) == float(r["loss"]) for r in rows)  # no NaN reached the metrics
+    state = ckpt.load(out / "ckpt_00000006.pt")
+    assert state["nonfinite"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values()
+               if torch.is_tensor(v) and v.is_floating_point())
+
+
+# -- resume continuity: metrics, TensorBoard and summary as if never interrupted --------------
+def test_resumed_metrics_and_summary_equal_an_uninterrupted_run(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    train.main(TINY + ["--steps", "9", "--tensorboard", "--out", str(a)])
+    train.main(TINY + ["--steps", "5", "--tensorboard", "--out", str(b)])  # an off-grid last row
+    train.main(TINY + ["--steps", "9", "--tensorboard", "--out", str(b)])
+    assert _rows(b) == _rows(a)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    for k in sa:
+        if k not in ("clips_per_s", "out"):
+            assert sa[k] == sb[k], k
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def tb_loss(d):
+        acc = EventAccumulator(str(d / "tb"))
+        acc.Reload()
+        return [(e.step, round(e.value, 5)) for e in acc.Scalars("loss")]
+
+    assert tb_loss(b) == tb_loss(a)
+
+
+# -- kill -9 during a save; a full disk -----------------------------------------------------
+KILL_DURING_THIRD_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import train
+    real, calls = torch.save, []
+
+    def save(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 3:  # half a file in the temporary, then the power goes
+            with open(f, "wb") as fh:
+                fh.write(b"PK" + b"\\0" * 4096)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(obj, f, *a, **k)
+
+    torch.save = save
+    train.main(sys.argv[1:])
+""")
+
+
+def test_kill_9_during_a_save_loses_nothing_finished(tmp_path):
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "6", "--ckpt-every", "1", "--out", str(out)]
+    env = dict(os.environ, CMACC_KERNELS="reference")
+    p = subprocess.run([sys.executable, "-c", KILL_DURING_THIRD_SAVE, *argv], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert _ckpts(out) == ["ckpt_00000001.pt", "ckpt_00000002.pt"]
+    assert [q.name for q in out.glob(".*.tmp*")]  # the half-written temporary is there ...
+    train.main(argv)  # ... and resuming sweeps it, continues from step 2, finishes
+    assert not list(out.glob(".*.tmp*"))
+    assert ckpt.load(out / "ckpt_00000006.pt")["step"] == 6
+    ref = tmp_path / "ref"
+    train.main(TINY + ["--steps", "6", "--out", str(ref)])
+    assert _rows(out) == _rows(ref)
+
+
+def test_full_disk_on_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    real = torch.save
+
+    def full(obj, f, *a, **k):
+        with open(f, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
+    monkeypatch.setattr(torch, "save", real)
+    assert "No space left on device" in err and "ckpt_00000002.pt" in err
+    assert _ckpts(out) == ["ckpt_00000002.pt"] and not list(out.glob(".*.tmp*"))
+    assert ckpt.load(out / "ckpt_00000002.pt")["step"] == 2
+
+
+# -- bad command lines ----------------------------------------------------------------------
+def _bad_command_lines(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "typo.json").write_text('{"samplr": "ohem"}')
+    (tmp_path / "garbage.pt").write_bytes(os.urandom(64))
+    out = str(tmp_path / "out")
+    return [
+        (["--out", str(a_file)], "is a file"),
+        (["--out", str(a_file / "sub")], "cannot write there"),
+        (["--config", str(tmp_path / "bad.json"), "--out", out], "cannot read JSON"),
+        (["--config", str(tmp_path / "list.json"), "--out", out], "expected a JSON object"),
+        (["--config", str(tmp_path / "typo.json"), "--out", out], "unknown keys ['samplr']"),
+        (["--config", str(tmp_path / "missing.json"), "--out", out], "missing.json"),
+        (["--resume", str(tmp_path / "garbage.pt"), "--out", out], "not a readable checkpoint"),
+        (["--steps", "0", "--out", out], "steps must be >= 1"),
+        (["--redundancy", "1.5", "--out", out], "redundancy must be in [0, 1)"),
+        (["--lr", "-1", "--out", out], "lr must be > 0"),
+        (["--keep", "0", "--out", out], "keep must be >= 1"),
+        (["--dict-size", "4", "--out", out], "dict_size"),
+        (["--data", str(tmp_path / "nope.csv"), "--out", out], "nope.csv"),
+        (["--sampler", "nope", "--out", out], "invalid choice"),
+    ]
+
+
+def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
+    for argv, msg in _bad_command_lines(tmp_path):
+        err = _usage_error(capsys, TINY + argv)
+        assert msg in err, (argv, err)
+        assert err.strip().count("\n") == 0 and err.startswith("error: "), err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from data_dali.cli import UserError
+
+    with pytest.raises(UserError, match="steps must be"):
+        train.main(TINY + ["--steps", "0", "--debug", "--out", str(tmp_path)])
