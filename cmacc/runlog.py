@@ -38,6 +38,7 @@ class StepMetrics:
     mfu: float = NAN  # model FLOP utilisation (NaN where the peak is unknown)
     mem_gb: float = NAN  # peak CUDA memory
     nonfinite: float = 0.0  # steps skipped so far for a NaN/Inf loss or gradient
+    data_wait: float = NAN  # share of the wall time spent waiting for the next batch
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -113,9 +114,10 @@ class RunLogger:
                 if k != "step" and isinstance(v, float) and math.isfinite(v):
                     self.tb.add_scalar(k, v, m.step)
         log.info("step %6d | loss %.4f | acc %.3f | div %.3f | gnorm %.3g | lr %.2e | "
-                 "%.1f clips/s/rank | data %.1f ms, step %.1f ms, select %.2f ms | mfu %.3g",
-                 m.step, m.loss, m.acc, m.diversity, m.gnorm, m.lr, m.clips_per_s,
-                 1e3 * m.t_data, 1e3 * m.t_step, 1e3 * m.t_select, m.mfu)
+                 "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
+                 "select %.2f ms | mfu %s", m.step, m.loss, m.acc, m.diversity, m.gnorm, m.lr,
+                 m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
+                 1e3 * m.t_select, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 
     def close(self):
         if self.csv is not None:
@@ -143,7 +145,9 @@ def summarise(out, method: str) -> dict:
                    loss_first=mean(first, "loss"), loss_last=mean(last, "loss"),
                    acc_first=mean(first, "acc"), acc_last=mean(last, "acc"),
                    diversity_last=mean(last, "diversity"),
-                   clips_per_s=mean(last, "clips_per_s"), out=str(out))
+                   clips_per_s=mean(last, "clips_per_s"),
+                   data_wait_share=mean(rows, "data_wait"),  # of the wall time, whole run
+                   out=str(out))
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     try:
         plot_metrics({method: str(path)}, out / "metrics.png")

@@ -227,7 +227,7 @@ class Trainer:
         self.timer = model.timer = SectionTimer(self.device)
         self.means = RunningMeans(MEANS, self.device)
         self.flops_clip, self.peak = None, peak_flops(self.device)
-        self.last_enq, self.t0 = None, time.perf_counter()
+        self.last_enq, self.t0, self.waited = None, time.perf_counter(), 0.0
 
     def _prepare_out(self):
         """OUT exists, is a writable folder, and holds no half-written file of a killed run."""
@@ -318,7 +318,7 @@ class Trainer:
                      cfg.model.dict_size, cfg.selection.pool_size, cfg.optim.amp, self.out)
             self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
                             dynamic_ncols=True, disable=not sys.stderr.isatty())
-        self.t0 = time.perf_counter()
+        self.t0, self.waited = time.perf_counter(), 0.0
 
     def _drop_rows_after(self, step: int) -> int:
         """metrics.csv keeps the rows an uninterrupted run has at ``step``: those up to it on
@@ -340,7 +340,7 @@ class Trainer:
             fill_epoch_pools(self.model, self.loader, self.device, self.epoch)  # (restored from
         self.loader.set_epoch(self.epoch)                 # the checkpoint when resuming mid-epoch)
         self.batch_in_epoch = 0
-        td = timer.start()
+        td, tw = timer.start(), time.perf_counter()
         for batch in self.loader:
             if self.batch_in_epoch < self.skip:  # resuming mid-epoch: same order as uninterrupted
                 self.batch_in_epoch += 1
@@ -348,13 +348,14 @@ class Trainer:
             if self.step >= cfg.run.steps or self.stop_requested:
                 break
             timer.stop("data", td)
+            self.waited += time.perf_counter() - tw  # host wall time spent waiting for data
             self.stats = self._train_step(batch) or self.stats  # None: a skipped step
             on_grid = self.step % cfg.run.log_every == 0
             if on_grid or self.step == cfg.run.steps:
                 self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
-            td = timer.start()
+            td, tw = timer.start(), time.perf_counter()
         else:
             self.epoch, self.skip = self.epoch + 1, 0
 
@@ -445,7 +446,8 @@ class Trainer:
         m = self.means.means(reset=reset)
         du.verify_ranks_agree(self.model, self.chash, self.last_enq, self.step)
         secs = self.timer.collect()
-        clips_s = n * cfg.model.batch_size / (time.perf_counter() - self.t0) / self.world
+        wall = time.perf_counter() - self.t0
+        clips_s = n * cfg.model.batch_size / wall / self.world
         dev = self.device
         self.logger.write(StepMetrics(
             step=self.step, epoch=self.epoch, loss=m["loss"], acc=m["acc"],
@@ -457,5 +459,5 @@ class Trainer:
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
             else float("nan"),
             mem_gb=(torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda"
-            else float("nan"), nonfinite=float(self.nonfinite)))
-        self.t0 = time.perf_counter()
+            else float("nan"), nonfinite=float(self.nonfinite), data_wait=self.waited / wall))
+        self.t0, self.waited = time.perf_counter(), 0.0

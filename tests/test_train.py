@@ -27,6 +27,9 @@ def test_short_run_learns(tmp_path):
     assert float(rows[-1]["active"]) == 1.0  # the active sampler was running at the end
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and (out / "metrics.png").exists()
+    waits = [float(r["data_wait"]) for r in rows]  # share of wall time spent waiting for data
+    assert all(0.0 <= w < 1.0 for w in waits)
+    assert summary["data_wait_share"] == pytest.approx(sum(waits) / len(waits), rel=1e-4)
 
 
 @pytest.mark.parametrize("extra", [["--sampler", "active"], ["--sampler", "ohem", "--pool-mode", "epoch"]])
