@@ -46,7 +46,8 @@ FLAGS = {
         ("--seed", "model.seed", dict(type=int)),
         ("--loader", "data.loader", dict(choices=LOADERS, help="manifest loader: DALI (GPU decode; CPU operators "
                                          "without a GPU), the PyAV reference, or auto = DALI when it works")),
-        ("--workers", "data.workers", dict(type=int, help="reference-loader worker processes")),
+        ("--workers", "data.workers", dict(type=int, help="loader worker processes (DALI: decoder threads)")),
+        ("--prefetch", "data.prefetch", dict(type=int, help="batches decoded ahead (default 2; memory is flat over an epoch)")),
         ("--log-every", "run.log_every", dict(type=int, help="log/metrics interval in steps")),
         ("--ckpt-every", "run.ckpt_every", dict(type=int, help="checkpoint interval in steps (0: only at the end)")),
         ("--keep", "run.keep", dict(type=int, help="checkpoints of this run kept in --out (default 3)")),

@@ -102,7 +102,8 @@ class DataConfig:
     frames: int = 16  # T
     size: int = 112  # crop side S
     loader: str = "auto"  # manifest backend: DALI, the PyAV reference, or auto
-    workers: int = 2  # reference-loader worker processes
+    workers: int = 2  # reference-loader worker processes (DALI: decoder threads)
+    prefetch: int = 2  # batches decoded ahead: loader memory does not grow with the epoch
     # synthetic clips only
     clips: int = 1024
     classes: int = 10
@@ -114,6 +115,8 @@ class DataConfig:
         _positive(self, "frames", "size", "clips", "classes")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if not 1 <= self.prefetch <= 64:
+            raise ValueError(f"prefetch must be in [1, 64] batches, got {self.prefetch}")
         if not 0.0 <= self.redundancy < 1.0:
             raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
         if self.noise < 0:

@@ -31,7 +31,8 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
     return data_dali.build_loader(dcfg.source, batch_size=batch_size // world,
                                   clip_frames=dcfg.frames, crop=dcfg.size, shard_id=rank,
                                   num_shards=world, seed=seed, views=views, device=device,
-                                  backend=dcfg.loader, num_workers=dcfg.workers)
+                                  backend=dcfg.loader, num_workers=dcfg.workers,
+                                  prefetch=dcfg.prefetch)
 
 
 class SyntheticSplits:

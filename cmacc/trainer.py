@@ -338,13 +338,10 @@ class Trainer:
         cfg, timer = self.cfg, self.timer
         if cfg.selection.pool_mode == "epoch" and cfg.model.objective == "cross" and self.skip == 0:
             fill_epoch_pools(self.model, self.loader, self.device, self.epoch)  # (restored from
-        self.loader.set_epoch(self.epoch)                 # the checkpoint when resuming mid-epoch)
-        self.batch_in_epoch = 0
+        self.loader.set_epoch(self.epoch, start=self.skip)  # the checkpoint when resuming)
+        self.batch_in_epoch = self.skip  # resuming mid-epoch: the rest of the same epoch
         td, tw = timer.start(), time.perf_counter()
         for batch in self.loader:
-            if self.batch_in_epoch < self.skip:  # resuming mid-epoch: same order as uninterrupted
-                self.batch_in_epoch += 1
-                continue
             if self.step >= cfg.run.steps or self.stop_requested:
                 break
             timer.stop("data", td)

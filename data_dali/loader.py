@@ -6,6 +6,11 @@ batch is the same whatever the number of ranks, and the shards cover an epoch on
 backend "dali" decodes and augments with DALI (GPU when device is cuda, CPU operators
 otherwise); "reference" uses the PyAV loader; "auto" picks DALI when it imports and its first
 pipeline builds and runs, else the reference, with a warning saying why.
+
+Memory stays flat whatever the epoch length: batches stream as they are decoded, at most
+``prefetch`` ahead of the consumer, and a Loader builds its DALI pipeline (or its PyAV
+DataLoader with persistent workers) once and reuses it for every epoch. Every augmentation
+choice comes from one law (data_dali/augment.py), shared by both backends.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .audio import mel_frames
+from .augment import batch_fields
 from .manifest import Manifest, ManifestError
 
 log = logging.getLogger("data_dali")
@@ -54,6 +60,7 @@ class LoaderConfig:
     drop_last: bool = True
     dtype: torch.dtype = torch.float32
     backend: str = "auto"
+    prefetch: int = 2
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -74,6 +81,9 @@ class LoaderConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
         if self.backend not in ("auto", "dali", "reference"):
             raise ValueError(f"backend {self.backend!r} is not one of auto, dali, reference")
+        if not (isinstance(self.prefetch, int) and 1 <= self.prefetch <= 64):
+            raise ValueError(f"prefetch must be an integer in [1, 64] (batches decoded ahead of "
+                             f"the consumer), got {self.prefetch!r}")
 
 
 class Loader:
@@ -82,8 +92,14 @@ class Loader:
 
     Batches: dicts of tensors on ``device``: "video" [B,3,T,S,S], "audio" [B,80,L] with
     L = round(100 T / fps), "index" long [B] (manifest row = dataset index), "label" long [B]
-    (-1 = unlabeled), "start" long [B] (first frame of the clip); views=2 adds "video2",
-    "audio2", "start2" (another random segment, crop and flip of the same clip)."""
+    (-1 = unlabeled), "start" long [B] (first frame of the clip); with video also the rest of
+    the law's draw (data_dali/augment.py): "crop" long [B, 4] (top, left, height, width in
+    the prepared frame), "flip" and "gray" bool [B]; views=2 adds "video2", "audio2",
+    "start2", ... (another segment, crop and flip of the same clip).
+
+    Streaming: at most ``prefetch`` batches are decoded ahead; one epoch runs at a time
+    (starting an epoch ends an unfinished one). ``builds`` counts the pipelines (DALI) or
+    DataLoaders (reference) built: one per Loader, whatever the number of epochs."""
 
     def __init__(self, manifest: Manifest, index: list[int], cfg: LoaderConfig, *, device="cpu",
                  train=True, need_video=True, need_audio=True):
@@ -97,7 +113,8 @@ class Loader:
         self.batch_size, self.t, self.s = cfg.batch_size, cfg.clip_frames, cfg.crop
         self.shard_id, self.num_shards, self.seed = cfg.shard_id, cfg.num_shards, cfg.seed
         self.device, self.views, self.num_workers = torch.device(device), cfg.views, cfg.num_workers
-        self.drop_last, self.dtype, self.epoch = cfg.drop_last, cfg.dtype, 0
+        self.drop_last, self.dtype, self.epoch, self.start = cfg.drop_last, cfg.dtype, 0, 0
+        self.prefetch, self.builds, self._stream, self._ref = cfg.prefetch, 0, None, None
         self.train = self.jitter = train
         self.need_video, self.need_audio = need_video, need_audio
         self.num_clips, self.num_classes = len(manifest), manifest.num_classes
@@ -124,8 +141,13 @@ class Loader:
                         type(e).__name__, e)
             return "reference"
 
-    def set_epoch(self, epoch: int):
-        self.epoch = int(epoch)
+    def set_epoch(self, epoch: int, start: int = 0):
+        """The next ``iter()`` is epoch ``epoch`` from its batch ``start`` on (a mid-epoch
+        resume: the earlier batches are not decoded; every sample's augmentation depends only
+        on (seed, epoch, index, view), so the rest is what an uninterrupted epoch gives)."""
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        self.epoch, self.start = int(epoch), int(start)
 
     def _global_batches(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -146,13 +168,11 @@ class Loader:
         return len(self.shard_indices())
 
     def __iter__(self):
-        batches = self.shard_indices()
+        batches = self.shard_indices()[self.start:]
         if self.backend != "dali":
             yield from self._iter_reference(batches)
             return
-        from .pipelines import iterate_dali
-
-        gen = iterate_dali(self, batches)
+        gen = self._iter_dali(batches)
         if self._dali_checked:
             yield from gen
             return
@@ -163,41 +183,100 @@ class Loader:
         except Exception as e:
             log.warning("DALI pipeline failed (%s: %s); using the PyAV reference loader",
                         type(e).__name__, e)
-            self.backend, self._dali_checked = "reference", True
+            self.backend, self._dali_checked, self._stream = "reference", True, None
             yield from self._iter_reference(batches)
             return
         self._dali_checked = True
         yield first
         yield from gen
 
-    def _iter_reference(self, batches):
-        from .reference import ClipDataset
+    def _iter_dali(self, batches):
+        if self._stream is None:
+            from .pipelines import DaliStream
 
-        ds = ClipDataset(self.m, self.index, clip_frames=self.t, crop=self.s, views=self.views,
-                         train=self.train, seed=self.seed, need_audio=self.need_audio,
-                         need_video=self.need_video, dtype=self.dtype)
-        ds.epoch = self.epoch
-        pos = {i: k for k, i in enumerate(self.index)}
-        dl = torch.utils.data.DataLoader(ds, batch_sampler=[[pos[i] for i in b] for b in batches],
-                                         num_workers=self.num_workers,
-                                         pin_memory=self.device.type == "cuda")
-        for batch in dl:
+            self._stream = DaliStream(self)
+        try:
+            for batch in self._stream.epoch(batches, self.epoch):
+                yield _with_params(batch, self.views, self.need_video)
+        except Exception:
+            self._stream = None  # a failed pipeline is not reused: the next epoch rebuilds it
+            raise
+
+    def _iter_reference(self, batches):
+        if self._ref is None:
+            self._ref = _ReferenceStream(self)
+            self.builds += 1
+        for batch in self._ref.epoch(batches, self.epoch):
             yield {k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v)
                    for k, v in batch.items()}
+
+
+def _with_params(batch: dict, views: int, video: bool) -> dict:
+    """A batch whose "params"/"params2" (long [B, 7], the law's draws) become "start", "crop",
+    "flip", "gray" (augment.batch_fields)."""
+    for v in range(views):
+        sfx = "" if v == 0 else str(v + 1)
+        batch.update(batch_fields(batch.pop("params" + sfx), sfx, video))
+    return batch
+
+
+class _EpochBatches(torch.utils.data.Sampler):
+    """The batch sampler of the persistent DataLoader: an epoch's batches of (position, epoch)
+    keys, so workers that live across epochs draw each epoch's augmentation."""
+
+    def __init__(self):
+        self.batches, self.epoch = [], 0
+
+    def __iter__(self):
+        epoch = self.epoch
+        return ([(k, epoch) for k in b] for b in self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class _ReferenceStream:
+    """The PyAV backend: one DataLoader (persistent workers when num_workers > 0, pinned memory
+    on CUDA, ``prefetch`` batches in flight) over a ClipDataset, fed each epoch's batches."""
+
+    def __init__(self, loader: Loader):
+        from .reference import ClipDataset
+
+        ds = ClipDataset(loader.m, loader.index, clip_frames=loader.t, crop=loader.s,
+                         views=loader.views, train=loader.train, seed=loader.seed,
+                         need_audio=loader.need_audio, need_video=loader.need_video,
+                         dtype=loader.dtype, temporal_jitter=loader.jitter)
+        self.pos = {i: k for k, i in enumerate(loader.index)}
+        self.sampler, self.views, self.video = _EpochBatches(), loader.views, loader.need_video
+        workers = loader.num_workers
+        self.dl = torch.utils.data.DataLoader(
+            ds, batch_sampler=self.sampler, num_workers=workers,
+            pin_memory=loader.device.type == "cuda", persistent_workers=workers > 0,
+            prefetch_factor=-(-loader.prefetch // workers) if workers else None)
+
+    def epoch(self, batches, epoch):
+        self.sampler.batches = [[self.pos[i] for i in b] for b in batches]
+        self.sampler.epoch = epoch
+        for batch in self.dl:
+            yield _with_params(batch, self.views, self.video)
 
 
 def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, split=None,
                  shard_id=0, num_shards=1, seed=0, device="cpu", backend="auto", views=1,
                  num_workers=2, drop_last=True, dtype=torch.float32, train=True,
-                 need_video=True, need_audio=True) -> Loader:
+                 need_video=True, need_audio=True, prefetch=2) -> Loader:
     """Pretraining (need_video and need_audio: clips without audio are skipped, and counted in
     the log) or downstream (need_audio=False: video-only; need_video=False: audio-only) loader
     over a prepared manifest. ``fps`` must be the rate the clips were prepared at (checked).
     ``split``: None (all rows), "train"/"test" (split1), "split2:test", "fold:3" or a
-    (column, value) pair. ``train=False``: centre clip, centre crop, fixed order."""
+    (column, value) pair. ``train=False``: centre clip, centre crop, fixed order.
+    ``prefetch``: batches decoded ahead of the consumer (DALI's queue depth; the PyAV
+    DataLoader's batches in flight over all workers); memory grows with it, not with the
+    epoch length."""
     cfg = LoaderConfig(batch_size=batch_size, clip_frames=clip_frames, crop=crop, fps=fps,
                        shard_id=shard_id, num_shards=num_shards, seed=seed, views=views,
-                       num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend)
+                       num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend,
+                       prefetch=prefetch)
     if not (need_video or need_audio):
         raise ValueError("need_video and need_audio are both False: nothing to load")
     m = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
@@ -299,9 +378,8 @@ class EvalSplits:
                 order = torch.randperm(len(idx), generator=g).tolist()
             for s in range(0, len(order), batch_size):
                 items = [ds[k] for k in order[s:s + batch_size]]
-                yield {key: (torch.stack([it[key] for it in items]) if torch.is_tensor(items[0][key])
-                             else torch.tensor([it[key] for it in items]))
-                       for key in items[0]}
+                batch = torch.utils.data.default_collate(items)
+                yield _with_params(batch, 1, self.modality == "video")
 
         return gen
 

@@ -1,22 +1,29 @@
 """DALI pipelines: decode and augment prepared clips on the device, log-mels aligned.
 
-VP9 decode (NVDEC with device cuda, libavcodec with CPU operators), random resized crop, flip,
+VP9 decode (NVDEC with device cuda, libavcodec with CPU operators), resized crop, flip,
 grayscale and normalisation on the device, layout C x T x H x W; the log-mel segment aligned
 with the decoded frames travels with each clip.
 
 One pipeline per use, all built from the same video branch:
-- ``pretrain_pipeline``  video + aligned log-mel (views=2: a second, independent view of both)
+- ``pretrain_pipeline``  video + aligned log-mel (views=2: a second view of both)
 - ``video_pipeline``     downstream video (no audio)
 - ``audio_pipeline``     downstream audio: log-mel segments only (nothing to decode)
 
 Sampling happens on the host, in ``ClipSource``: the start frame, crop box, flip and grayscale
-of every sample are drawn from a generator seeded by (seed, epoch, dataset index) — the same
-draws, in the same order, as the reference loader (data_dali/reference.py) — and handed to the
-decoder (``start_frame``) and the augmentation operators as per-sample arguments. So the video
-clip and its log-mel segment are aligned by construction (mel frames
-[round(100 s / fps), + round(100 T / fps)) for start frame s; data_dali/audio.py), the two
-loaders agree sample for sample, and a clip's augmentation does not depend on how the epoch is
-sharded. Sharding and the epoch order are the loader's (data_dali/loader.py).
+of every view come from the augmentation law (data_dali/augment.py: one generator per (seed,
+epoch, dataset index, view), the law the reference loader uses too) and reach the decoder
+(``start_frame``) and the augmentation operators as per-sample arguments. So the video clip and
+its log-mel segment are aligned by construction (mel frames [round(100 s / fps), + round(100 T
+/ fps)) for start frame s; data_dali/audio.py), the two loaders agree sample for sample, and a
+clip's augmentation does not depend on how the epoch is sharded.
+
+Streaming: ``DaliStream`` builds a loader's pipeline once (its rank's batch size; a smaller
+last batch goes through the same pipeline: the external source takes batches up to that size)
+and reuses it for every epoch. ``ClipSource`` is persistent: each epoch hands it that epoch's
+batches; at their end it raises StopIteration, DALI stops asking (its prefetch never runs into
+the next epoch), and ``pipe.reset()`` re-arms it. At most ``prefetch`` batches are decoded ahead
+of the consumer, so memory does not depend on the epoch length. Sharding and the epoch order
+are the loader's (data_dali/loader.py).
 
 This module imports DALI at import time; import it only through ``data_dali.loader``.
 """
@@ -28,7 +35,8 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from .audio import mel_segment
-from .reference import MEAN, STD, crop_box
+from .augment import draw_row
+from .reference import MEAN, STD
 
 
 def check_available(device: torch.device) -> None:
@@ -42,55 +50,42 @@ def check_available(device: torch.device) -> None:
 # ----------------------------------------------------------------------------------------------
 # Graph pieces
 # ----------------------------------------------------------------------------------------------
-def _video_branch(enc, start, roi_start, roi_end, mirror, saturation, *, clip_frames, crop, gpu,
-                  dtype):
-    """encoded VP9/WebM bytes → [3, T, crop, crop] normalised (CFHW)."""
-    frames = fn.decoders.video(enc, device="mixed" if gpu else "cpu", start_frame=start,
+def _video_branch(enc, params, *, clip_frames, crop, gpu, dtype):
+    """encoded VP9/WebM bytes + the law's int32 [7] (start, top, left, crop_h, crop_w, flip,
+    gray) → [3, T, crop, crop] normalised (CFHW)."""
+    frames = fn.decoders.video(enc, device="mixed" if gpu else "cpu", start_frame=params[0],
                                sequence_length=clip_frames, pad_mode="edge")  # [T, H, W, 3] u8
-    frames = fn.resize(frames, roi_start=roi_start, roi_end=roi_end, roi_relative=False,
-                       size=[crop, crop], interp_type=types.INTERP_LINEAR, antialias=True)
-    frames = fn.hsv(frames, saturation=saturation)  # saturation 0 = grayscale (0.299/0.587/0.114)
-    return fn.crop_mirror_normalize(frames, mirror=mirror, dtype=dtype,
+    top_left = params[1:3]
+    frames = fn.resize(frames, roi_start=fn.cast(top_left, dtype=types.FLOAT),
+                       roi_end=fn.cast(top_left + params[3:5], dtype=types.FLOAT),
+                       roi_relative=False, size=[crop, crop], interp_type=types.INTERP_LINEAR,
+                       antialias=True)
+    # saturation 0 = grayscale (0.299/0.587/0.114)
+    frames = fn.hsv(frames, saturation=fn.cast(1 - params[6], dtype=types.FLOAT))
+    return fn.crop_mirror_normalize(frames, mirror=params[5], dtype=dtype,
                                     mean=[255 * m for m in MEAN], std=[255 * s for s in STD],
                                     output_layout="CFHW")
 
 
-_VIEW_TYPES = [types.UINT8, types.INT32, types.FLOAT, types.FLOAT, types.INT32, types.FLOAT]
-
-
-def _inputs(source, views, with_video, with_audio):
-    """External source → (index, label, [per-view dicts])."""
-    per_view = (6 if with_video else 1) + int(with_audio)
-    dtypes = [types.INT64, types.INT64]
-    for _ in range(views):
-        dtypes += (_VIEW_TYPES if with_video else [types.INT32]) + ([types.FLOAT] if with_audio else [])
-    outs = fn.external_source(source=source, num_outputs=len(dtypes), batch=True, dtype=dtypes)
-    index, label, rest = outs[0], outs[1], list(outs[2:])
-    views_out = []
-    for v in range(views):
-        cols = rest[v * per_view:(v + 1) * per_view]
-        d = {}
-        if with_video:
-            d.update(zip(("enc", "start", "roi_start", "roi_end", "mirror", "saturation"), cols[:6]))
-        else:
-            d["start"] = cols[0]
-        if with_audio:
-            d["mel"] = cols[-1]
-        views_out.append(d)
-    return index, label, views_out
-
-
 def _graph(source, *, views, with_video, with_audio, clip_frames, crop, gpu, dtype):
-    index, label, vs = _inputs(source, views, with_video, with_audio)
-    outs = [index, label]
-    for d in vs:
-        outs.append(d["start"])
+    """External source columns: index, label, [encoded video], then per view: the law's
+    params, [its log-mel segment]. Outputs: index, label, then per view params, [video],
+    [audio] (``output_names``)."""
+    dtypes = [types.INT64, types.INT64] + [types.UINT8] * with_video
+    dtypes += ([types.INT32] + [types.FLOAT] * with_audio) * views
+    cols = list(fn.external_source(source=source, num_outputs=len(dtypes), batch=True,
+                                   dtype=dtypes))
+    outs = cols[:2]
+    enc = cols[2] if with_video else None
+    per_view = cols[2 + with_video:]
+    for v in range(views):
+        params, *mel = per_view[v * (1 + with_audio):(v + 1) * (1 + with_audio)]
+        outs.append(params)
         if with_video:
-            outs.append(_video_branch(d["enc"], d["start"], d["roi_start"], d["roi_end"], d["mirror"],
-                                      d["saturation"], clip_frames=clip_frames, crop=crop, gpu=gpu,
+            outs.append(_video_branch(enc, params, clip_frames=clip_frames, crop=crop, gpu=gpu,
                                       dtype=dtype))
         if with_audio:
-            outs.append(d["mel"].gpu() if gpu else d["mel"])
+            outs.append(mel[0].gpu() if gpu else mel[0])
     return tuple(outs)
 
 
@@ -119,43 +114,31 @@ def output_names(views, with_video, with_audio) -> list[str]:
     names = ["index", "label"]
     for v in range(views):
         sfx = "" if v == 0 else str(v + 1)
-        names.append("start" + sfx)
+        names.append("params" + sfx)
         names += (["video" + sfx] if with_video else []) + (["audio" + sfx] if with_audio else [])
     return names
 
 
 # ----------------------------------------------------------------------------------------------
-# Host side: the per-sample parameters
+# Host side: the per-sample parameters, one epoch after another
 # ----------------------------------------------------------------------------------------------
 class ClipSource:
-    """Feeds one epoch of this rank's batches (lists of dataset indices) to a pipeline."""
+    """The pipeline's persistent external source. ``start(batches, epoch)`` hands it an epoch
+    (this rank's batches: lists of dataset indices); it yields their columns, then raises
+    StopIteration until the next ``start``. ``stop()`` ends the epoch early (at the next call).
+    ``fed`` counts the samples handed to DALI (tests: how far ahead decoding runs)."""
 
-    def __init__(self, loader, batches):
-        self.l, self.batches, self.k = loader, batches, 0
+    def __init__(self, loader):
+        self.l, self.batches, self.k, self.epoch, self.fed = loader, [], 0, 0, 0
+
+    def start(self, batches, epoch):
+        self.batches, self.k, self.epoch = batches, 0, epoch
+
+    def stop(self):
+        self.batches = self.batches[:self.k]
 
     def __iter__(self):
-        self.k = 0
         return self
-
-    def _view(self, row, i, rng):
-        l = self.l
-        n = int(row["frames"]) or int(float(row["duration"]) * float(row["fps"]))
-        start = int(rng.integers(0, max(1, n - l.t + 1))) if rng is not None else max(0, (n - l.t) // 2)
-        vals = []
-        if l.need_video:
-            h, w = int(row["height"]), int(row["width"])
-            aug = rng if l.train else None
-            top, left, ch, cw = crop_box(h, w, aug)
-            flip = aug is not None and aug.random() < 0.5
-            gray = aug is not None and aug.random() < 0.2
-            vals += [np.fromfile(row["video"], dtype=np.uint8), np.array(start, np.int32),
-                     np.array([top, left], np.float32), np.array([top + ch, left + cw], np.float32),
-                     np.array(int(flip), np.int32), np.array(0.0 if gray else 1.0, np.float32)]
-        else:
-            vals.append(np.array(start, np.int32))
-        if l.need_audio:
-            vals.append(mel_segment(l.m.mel(i), start, l.t, float(row["fps"])))
-        return vals
 
     def __next__(self):
         if self.k >= len(self.batches):
@@ -165,61 +148,83 @@ class ClipSource:
         cols = None
         for i in batch:
             row = l.m.rows[i]
-            rng = np.random.default_rng([l.seed, l.epoch, i]) if (l.train or l.jitter) else None
             vals = [np.array(i, np.int64), np.array(int(row["label"]), np.int64)]
+            if l.need_video:
+                vals.append(np.fromfile(row["video"], dtype=np.uint8))
             for v in range(l.views):
-                if v == 1 and rng is None:  # eval with two views: a fixed second generator
-                    rng = np.random.default_rng([l.seed, i])
-                vals += self._view(row, i, rng)
+                p = draw_row(row, i, v, seed=l.seed, epoch=self.epoch, clip_frames=l.t,
+                             train=l.train, jitter=l.jitter)
+                vals.append(p.array())
+                if l.need_audio:
+                    vals.append(mel_segment(l.m.mel(i), p.start, l.t, float(row["fps"])))
             cols = [[] for _ in vals] if cols is None else cols
             for c, x in zip(cols, vals):
                 c.append(x)
+        self.fed += len(batch)
         return cols
 
 
-def _build(loader, size, batches):
-    gpu = loader.device.type == "cuda"
-    pipe_fn = (pretrain_pipeline if loader.need_video and loader.need_audio else
-               video_pipeline if loader.need_video else audio_pipeline)
-    dtype = types.FLOAT16 if loader.dtype == torch.float16 else types.FLOAT
-    device_id = (loader.device.index if loader.device.index is not None
-                 else torch.cuda.current_device()) if gpu else None
-    pipe = pipe_fn(ClipSource(loader, batches), views=loader.views, clip_frames=loader.t,
-                   crop=loader.s, gpu=gpu, dtype=dtype, batch_size=size,
-                   num_threads=max(1, loader.num_workers), device_id=device_id,
-                   seed=(loader.seed * 1_000_003 + loader.epoch) % (2 ** 31),
-                   prefetch_queue_depth=2)
-    pipe.build()
-    return pipe
+class DaliStream:
+    """A loader's pipeline, built once (``loader.builds`` counts builds) and reused by every
+    epoch. One epoch runs at a time: starting one ends an unfinished one (its source stops, the
+    at most ``prefetch`` batches in flight are drained, the pipeline reset)."""
 
+    def __init__(self, loader):
+        self.l, self.source = loader, ClipSource(loader)
+        self.names = output_names(loader.views, loader.need_video, loader.need_audio)
+        gpu = loader.device.type == "cuda"
+        pipe_fn = (pretrain_pipeline if loader.need_video and loader.need_audio else
+                   video_pipeline if loader.need_video else audio_pipeline)
+        device_id = (loader.device.index if loader.device.index is not None
+                     else torch.cuda.current_device()) if gpu else None
+        self.pipe = pipe_fn(self.source, views=loader.views, clip_frames=loader.t, crop=loader.s,
+                            gpu=gpu, dtype=types.FLOAT16 if loader.dtype == torch.float16 else
+                            types.FLOAT, batch_size=loader.batch_size,
+                            num_threads=max(1, loader.num_workers), device_id=device_id,
+                            seed=loader.seed % (2 ** 31), prefetch_queue_depth=loader.prefetch)
+        self.pipe.build()
+        loader.builds += 1
+        self.running = None  # the token of the epoch in flight
 
-def iterate_dali(loader, batches):
-    """One epoch of batch dicts (torch tensors on loader.device), streamed. DALI pipelines have
-    a fixed batch size: every run of equal-sized batches (in practice: all but a smaller last
-    one) goes through a pipeline of that size."""
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+    def epoch(self, batches, epoch):
+        """One epoch of batch dicts (torch tensors on loader.device), streamed."""
+        self.end()
+        token = self.running = object()
+        self.source.start(batches, epoch)
+        while self.running is token:  # a later epoch ends this one
+            try:
+                out = self.pipe.run()
+            except StopIteration:
+                self.pipe.reset()
+                self.running = None
+                return
+            yield self._batch(out)
 
-    names = output_names(loader.views, loader.need_video, loader.need_audio)
-    runs: list[list[list[int]]] = []
-    for b in batches:
-        if runs and len(runs[-1][0]) == len(b):
-            runs[-1].append(b)
-        else:
-            runs.append([b])
-    for run in runs:
-        pipe = _build(loader, len(run[0]), run)
-        it = DALIGenericIterator(pipe, names, auto_reset=False)
+    def end(self):
+        """End the epoch in flight, if any, without decoding the rest of it."""
+        if self.running is None:
+            return
+        self.running = None
+        self.source.stop()
         try:
-            for _, out in zip(run, it):
-                d = out[0]
-                batch = {}
-                for k in names:
-                    v = d[k]
-                    if k in ("index", "label") or k.startswith("start"):
-                        v = v.reshape(-1).long()
-                    elif v.dtype != loader.dtype:
-                        v = v.to(loader.dtype)
-                    batch[k] = v.to(loader.device, non_blocking=True)
-                yield batch
-        finally:
-            del it, pipe
+            while True:
+                self.pipe.run()
+        except StopIteration:
+            self.pipe.reset()
+
+    def _batch(self, out) -> dict:
+        from nvidia.dali.plugin.pytorch import feed_ndarray, to_torch_type
+
+        l, batch = self.l, {}
+        stream = torch.cuda.current_stream(l.device) if l.device.type == "cuda" else None
+        for name, tl in zip(self.names, out):
+            t = tl.as_tensor()
+            dev = l.device if hasattr(tl, "as_cpu") else torch.device("cpu")  # GPU outputs
+            x = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=dev)
+            feed_ndarray(t, x, cuda_stream=stream)
+            if name in ("index", "label") or name.startswith("params"):
+                x = x.long()
+            elif x.dtype != l.dtype:
+                x = x.to(l.dtype)
+            batch[name] = x.to(l.device, non_blocking=True)
+        return batch

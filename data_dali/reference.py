@@ -4,17 +4,20 @@ For machines without DALI, and the independent reference in tests.
 A sample = one clip of T frames at a random start (temporal jitter) of a prepared video, with
 the log-mel segment aligned to it (data_dali/audio.py), augmented like the paper: random
 resized crop to S, horizontal flip, random grayscale, normalisation; layout C x T x H x W.
+Every random choice comes from the augmentation law (data_dali/augment.py), as in the DALI
+pipelines.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .audio import mel_segment
+from .augment import ClipParams, crop_box, draw_row
 from .manifest import Manifest
 
 MEAN = (0.45, 0.45, 0.45)  # per-channel, on [0, 1] pixels
@@ -49,36 +52,25 @@ def decode_clip(path: str | Path, start: int, frames: int, fps: float | None = N
     return np.stack(out)
 
 
-def crop_box(h, w, rng: np.random.Generator | None, scale=(0.3, 1.0), ratio=(3 / 4, 4 / 3)):
-    """(top, left, height, width) of a random resized crop (torchvision's rule), or the centre
-    square when rng is None."""
-    if rng is None:
-        s = min(h, w)
-        return (h - s) // 2, (w - s) // 2, s, s
-    area = h * w
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        logr = rng.uniform(math.log(ratio[0]), math.log(ratio[1]))
-        ar = math.exp(logr)
-        cw, ch = int(round(math.sqrt(target * ar))), int(round(math.sqrt(target / ar)))
-        if 0 < cw <= w and 0 < ch <= h:
-            return int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw
-    s = min(h, w)
-    return (h - s) // 2, (w - s) // 2, s, s
-
-
-def augment(frames: np.ndarray, size: int, rng: np.random.Generator | None, *,
-            gray_p=0.2, dtype=torch.float32):
-    """[T, H, W, 3] uint8 → [3, T, size, size] normalised. rng None: centre crop, no flip."""
+def augment(frames: np.ndarray, size: int, params: ClipParams | None, *, dtype=torch.float32):
+    """[T, H, W, 3] uint8 → [3, T, size, size] normalised: crop ``params``' box (clipped to the
+    frame), resize (bilinear, antialiased), flip, grayscale (0.299/0.587/0.114). params None:
+    centre square, no flip."""
     import torch.nn.functional as F
 
     t, h, w, _ = frames.shape
-    top, left, ch, cw = crop_box(h, w, rng)
+    if params is None:
+        top, left, ch, cw = crop_box(h, w, None)
+        flip = gray = False
+    else:
+        top, left = min(params.top, h - 1), min(params.left, w - 1)
+        ch, cw = min(params.crop_h, h - top), min(params.crop_w, w - left)
+        flip, gray = params.flip, params.gray
     x = torch.from_numpy(frames[:, top:top + ch, left:left + cw]).permute(0, 3, 1, 2).float() / 255
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-    if rng is not None and rng.random() < 0.5:
+    if flip:
         x = x.flip(-1)
-    if rng is not None and rng.random() < gray_p:
+    if gray:
         g = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2])[:, None]
         x = g.expand(-1, 3, -1, -1)
     mean = torch.tensor(MEAN)[None, :, None, None]
@@ -87,14 +79,17 @@ def augment(frames: np.ndarray, size: int, rng: np.random.Generator | None, *,
 
 
 class ClipDataset(torch.utils.data.Dataset):
-    """Dataset over manifest rows ``index`` (dataset indices). Item i of epoch e draws its
-    start frame and augmentation from a generator seeded by (seed, e, dataset index)."""
+    """Dataset over manifest rows ``index`` (dataset indices). Item k of epoch e is clip
+    index[k] with each view's start frame and augmentation from the law (data_dali/augment.py:
+    ``draw(seed, e, index[k], view)``). Keys: k (epoch ``self.epoch``) or (k, e) — how the
+    loader's persistent workers learn the epoch."""
 
     def __init__(self, manifest: Manifest, index, *, clip_frames=16, crop=112, views=1,
                  train=True, seed=0, need_audio=True, start=None, dtype=torch.float32,
                  temporal_jitter=None, need_video=True):
         """train: random start + augmentation; train=False: the centre clip, centre crop, unless
-        ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip)."""
+        ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip).
+        ``start``: force the first view's start frame."""
         self.m, self.index = manifest, list(index)
         self.jitter = train if temporal_jitter is None else temporal_jitter
         self.t, self.s, self.views, self.train = clip_frames, crop, views, train
@@ -104,29 +99,32 @@ class ClipDataset(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.index)
 
-    def sample(self, i: int, rng, start: int | None = None):
+    def params(self, i: int, view: int, epoch: int) -> ClipParams:
+        """The law's draw for view ``view`` of dataset clip ``i`` in ``epoch``."""
+        p = draw_row(self.m.rows[i], i, view, seed=self.seed, epoch=epoch, clip_frames=self.t,
+                     train=self.train, jitter=self.jitter)
+        return replace(p, start=self.start) if view == 0 and self.start is not None else p
+
+    def sample(self, i: int, p: ClipParams) -> dict:
+        """One view of dataset clip ``i``: "video", "audio" (as needed), "params" int [7]."""
         row = self.m.rows[i]
-        n = int(row["frames"]) or int(float(row["duration"]) * float(row["fps"]))  # audio-only: by duration
-        if start is None:
-            start = int(rng.integers(0, max(1, n - self.t + 1))) if rng is not None else max(0, (n - self.t) // 2)
         out = {}
         if row["video"] and self.need_video:
-            out["video"] = augment(decode_clip(row["video"], start, self.t, float(row["fps"])),
-                                   self.s, rng if self.train else None, dtype=self.dtype)
+            out["video"] = augment(decode_clip(row["video"], p.start, self.t, float(row["fps"])),
+                                   self.s, p, dtype=self.dtype)
         if self.need_audio:
             out["audio"] = torch.from_numpy(
-                mel_segment(self.m.mel(i), start, self.t, float(row["fps"]))).to(self.dtype)
-        out["start"] = start
+                mel_segment(self.m.mel(i), p.start, self.t, float(row["fps"]))).to(self.dtype)
+        out["params"] = torch.from_numpy(p.array()).long()
         return out
 
-    def __getitem__(self, k):
+    def __getitem__(self, key):
+        k, epoch = key if isinstance(key, tuple) else (key, self.epoch)
         i = self.index[k]
-        rng = np.random.default_rng([self.seed, self.epoch, i]) if (self.train or self.jitter) else None
-        out = self.sample(i, rng, self.start)
-        if self.views == 2:
-            second = self.sample(i, rng if rng is not None else np.random.default_rng([self.seed, i]))
-            out["video2"], out["audio2"] = second.get("video"), second.get("audio")
-            out["start2"] = second["start"]
-        out["index"] = i
-        out["label"] = int(self.m.rows[i]["label"])
-        return {k: v for k, v in out.items() if v is not None}
+        out = {"index": i, "label": int(self.m.rows[i]["label"])}
+        for v in range(self.views):
+            sfx = "" if v == 0 else str(v + 1)
+            view = self.sample(i, self.params(i, v, epoch))
+            out.update({name + sfx: x for name, x in view.items()})
+            out["start" + sfx] = int(view["params"][0])
+        return out

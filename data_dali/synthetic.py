@@ -151,15 +151,16 @@ class ToyLoader:
         if batch_size > len(data):
             raise ValueError(f"batch {batch_size} > {len(data)} clips: use fewer or more clips")
         self.data, self.batch_size, self.seed = data, batch_size, seed
-        self.rank, self.world, self.views, self.epoch = rank, world, views, 0
+        self.rank, self.world, self.views, self.epoch, self.start = rank, world, views, 0, 0
         self.num_clips, self.num_classes = len(data), data.num_classes
         self.class_names, self.labels = data.class_names, data.labels
 
     def __len__(self):
         return len(self.data) // self.batch_size
 
-    def set_epoch(self, epoch: int):
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0):
+        """The next ``iter()`` is epoch ``epoch`` from its batch ``start`` on."""
+        self.epoch, self.start = epoch, start
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
@@ -167,7 +168,9 @@ class ToyLoader:
         per = self.batch_size // self.world
         for b in range(len(self)):
             idx = perm[b * self.batch_size:(b + 1) * self.batch_size]
-            yield self.data.batch(idx[self.rank * per:(self.rank + 1) * per], g, self.views)
+            batch = self.data.batch(idx[self.rank * per:(self.rank + 1) * per], g, self.views)
+            if b >= self.start:  # (earlier batches still advance g: the views' draws)
+                yield batch
 
 
 # ----------------------------------------------------------------------------------------------

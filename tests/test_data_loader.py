@@ -165,3 +165,21 @@ def test_manifest_info_and_cheap_import(data):
     assert info["clips"] == 7 and info["classes"] == 3 and info["fps"] == [10.0]
     code = "import sys, data_dali; assert 'torch' not in sys.modules and 'av' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_persistent_workers_follow_the_epochs(data):
+    """The PyAV backend keeps one DataLoader (persistent workers) across epochs: each epoch's
+    draws reach the workers, and match an in-process loader's."""
+    kw = dict(batch_size=2, clip_frames=4, crop=16, backend="reference", seed=2, need_audio=False)
+    workers = data_dali.build_loader(data, num_workers=2, **kw)
+    inline = data_dali.build_loader(data, num_workers=0, **kw)
+    starts = []
+    for epoch in (0, 1, 2):
+        workers.set_epoch(epoch)
+        inline.set_epoch(epoch)
+        got = [(b["index"].tolist(), b["start"].tolist(), b["crop"].tolist()) for b in workers]
+        assert got == [(b["index"].tolist(), b["start"].tolist(), b["crop"].tolist()) for b in inline]
+        starts.append({i: s for idx, st, _ in got for i, s in zip(idx, st)})
+    assert workers.builds == inline.builds == 1
+    assert workers._ref.dl.persistent_workers
+    assert any(starts[0][i] != starts[1].get(i, starts[0][i]) for i in starts[0])  # reshuffled draws
