@@ -130,24 +130,33 @@ class Trainer:
             return summarise(self.out, self.model.method)
 
     def save(self, reason: str) -> None:
-        """Checkpoint: plain containers and tensors only (weights_only loads). Collective (the
-        running means are averaged over ranks); rank 0 writes."""
+        """Checkpoint: plain containers and tensors only (weights_only loads). Collective: the
+        running means are averaged over ranks, rank 0 writes, and every rank learns whether
+        the write succeeded (so a full disk stops all ranks, none waits in a collective)."""
         means = self.means.state_dict()
         self.saved_step = self.step
-        if self.rank != 0:
-            return
-        state = dict(model=self.model.state_dict(), optimizer=self.opt.state_dict(),
-                     scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), epoch=self.epoch,
-                     batch_in_epoch=self.batch_in_epoch, config_hash=self.chash,
-                     config=self.cfg.to_dict(), world_size=self.world, means=means,
-                     nonfinite=self.nonfinite)
-        try:
-            p = self.store.save(state, self.step)
-        except OSError as e:  # a full disk, a vanished folder: the previous checkpoint stays
-            raise UsageError(f"cannot write the checkpoint of step {self.step} in {self.out} ({e}); "
-                             f"the last good checkpoint is {self.store.last or 'none yet'}: free "
-                             "space or fix the folder, then resume with --resume auto") from None
-        log.info("checkpoint (%s): %s", reason, p)
+        error = None
+        if self.rank == 0:
+            state = dict(model=self.model.state_dict(), optimizer=self.opt.state_dict(),
+                         scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), epoch=self.epoch,
+                         batch_in_epoch=self.batch_in_epoch, config_hash=self.chash,
+                         config=self.cfg.to_dict(), world_size=self.world, means=means,
+                         nonfinite=self.nonfinite)
+            try:
+                log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
+            except OSError as e:  # a full disk, a vanished folder: the previous one stays
+                error = e
+        if self.world > 1:
+            failed = torch.tensor([float(error is not None)], device=self.device)
+            dist.broadcast(failed, 0)
+            if failed.item() and error is None:
+                raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
+                                 f"in {self.out} (its log says why); resume with --resume auto")
+        if error is not None:
+            raise UsageError(f"cannot write the checkpoint of step {self.step} in {self.out} "
+                             f"({error}); the last good checkpoint is "
+                             f"{self.store.last or 'none yet'}: free space or fix the folder, "
+                             "then resume with --resume auto") from None
 
     # -- set-up -------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -106,3 +106,24 @@ def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
                                       tmp_path / "run", start_new_session=True)
     assert "checkpoint (stop signal)" in err, err[-3000:]
     assert "[rank0]" not in err and "[rank1]" not in err, err[-3000:]  # no worker traceback
+
+
+def test_a_failed_save_on_rank_0_stops_every_rank(tmp_path):
+    """A full disk on rank 0 must not leave rank 1 waiting in a collective: both stop, exit 2."""
+    script = tmp_path / "full_disk.py"
+    script.write_text(
+        "import os, sys, torch\n"
+        "import train\n"
+        "def full(*a, **k):\n"
+        "    raise OSError(28, 'No space left on device')\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    torch.save = full\n"
+        "sys.exit(train.main(sys.argv[1:]))\n")
+    p = subprocess.run(TORCHRUN + [str(script), "--preset", "tiny", "--steps", "2",
+                                   "--out", str(tmp_path / "run")],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "No space left on device" in p.stderr and "rank 0 could not write" in p.stderr, \
+        p.stderr[-3000:]
+    assert p.stderr.count("exitcode  : 2") == 2, p.stderr[-3000:]  # both ranks: a usage error
+    assert "[rank0]" not in p.stderr and "[rank1]" not in p.stderr  # no worker traceback
