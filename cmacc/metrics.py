@@ -14,15 +14,22 @@ from . import distributed as du
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 
 
-def category_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Fraction of the categories covered by the clips with these dataset indices (entries
-    with index < 0, i.e. no clip, are ignored). The paper's Figure 3 metric."""
+def negative_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict:
+    """Category diversity of the negatives just enqueued (dataset indices; index < 0 = no clip,
+    ignored), two ways, as 0-d tensors (no host sync):
+
+    - ``unique_per_m`` = U / M: distinct categories U among the M enqueued clips, divided by M —
+      the paper appendix's "probability of sampling unique negatives" (its Fig. 3 metric);
+    - ``coverage`` = U / min(M, C): the same count against its ceiling (C categories), so 1.0
+      means no sampler could do better.
+    """
     index = index.to(labels.device)
     valid = (index >= 0).float()  # no boolean indexing: no host sync in the training step
     lab = labels[index.clamp_min(0)]
     present = torch.zeros(num_classes, device=labels.device).scatter_reduce(
         0, lab, valid, reduce="amax")
-    return present.mean()
+    unique, m = present.sum(), valid.sum().clamp_min(1)
+    return {"unique_per_m": unique / m, "coverage": unique / m.clamp_max(num_classes)}
 
 
 class RunningMeans:

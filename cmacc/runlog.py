@@ -28,8 +28,9 @@ class StepMetrics:
     acc: float
     lr: float
     clips_per_s: float  # per rank
-    diversity: float = NAN  # fraction of categories among the enqueued negatives
-    gnorm: float = NAN  # mean |g| of the enqueued negatives (active samplers)
+    unique_per_m: float = NAN  # distinct categories among the M enqueued negatives / M
+    coverage: float = NAN  # distinct categories / min(M, C): 1.0 is the ceiling
+    gnorm: float = NAN  # mean |g| of the enqueued negatives (NaN: the sampler does not measure it)
     active: float = 0.0  # 1 once the active sampler runs (after the pool warm-up)
     fallback: float = 0.0  # share of steps whose U \ D exclusion had to be dropped
     t_data: float = 0.0  # seconds per step waiting for data
@@ -113,9 +114,9 @@ class RunLogger:
             for k, v in row.items():
                 if k != "step" and isinstance(v, float) and math.isfinite(v):
                     self.tb.add_scalar(k, v, m.step)
-        log.info("step %6d | loss %.4f | acc %.3f | div %.3f | gnorm %.3g | lr %.2e | "
+        log.info("step %6d | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
                  "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
-                 "select %.2f ms | mfu %s", m.step, m.loss, m.acc, m.diversity, m.gnorm, m.lr,
+                 "select %.2f ms | mfu %s", m.step, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
                  m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
                  1e3 * m.t_select, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 
@@ -144,7 +145,8 @@ def summarise(out, method: str) -> dict:
     summary = dict(method=method, steps=int(rows[-1]["step"]),
                    loss_first=mean(first, "loss"), loss_last=mean(last, "loss"),
                    acc_first=mean(first, "acc"), acc_last=mean(last, "acc"),
-                   diversity_last=mean(last, "diversity"),
+                   unique_per_m_last=mean(last, "unique_per_m"),
+                   coverage_last=mean(last, "coverage"),
                    clips_per_s=mean(last, "clips_per_s"),
                    data_wait_share=mean(rows, "data_wait"),  # of the wall time, whole run
                    out=str(out))
@@ -156,8 +158,10 @@ def summarise(out, method: str) -> dict:
     return summary
 
 
-def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diversity", "gnorm")) -> Path:
-    """One panel per metric, one line per run (label → metrics.csv). Returns the PNG path."""
+def plot_metrics(csv_paths: dict[str, str], out_png,
+                 keys=("loss", "acc", "unique_per_m", "coverage", "gnorm")) -> Path:
+    """One panel per metric, one line per run (label → metrics.csv); a value a run did not
+    measure (empty or NaN) is a gap, not a zero. Returns the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,13 +171,19 @@ def plot_metrics(csv_paths: dict[str, str], out_png, keys=("loss", "acc", "diver
     axes = axes[0]
     for ax, key in zip(axes, keys):
         for label, path in csv_paths.items():
-            rows = [r for r in read_csv(path) if r.get(key) not in (None, "", "nan")]
-            if rows:
-                ax.plot([int(r["step"]) for r in rows], [float(r[key]) for r in rows], label=label)
+            rows = read_csv(path)
+            vals = [float(r[key]) if r.get(key) not in (None, "") else NAN for r in rows]
+            if any(math.isfinite(v) for v in vals):  # NaN breaks the line: a gap
+                ax.plot([int(r["step"]) for r in rows], vals, label=label)
+            else:
+                ax.plot([], [], linestyle="none", label=f"{label}: not measured")
         ax.set_xlabel("step")
         ax.set_title(key)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    for i, ax in enumerate(axes):  # the runs on the first panel; elsewhere what was not measured
+        names = ax.get_legend_handles_labels()[1]
+        if names and (i == 0 or any(n.endswith("not measured") for n in names)):
+            ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, out_png)
 

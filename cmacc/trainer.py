@@ -37,7 +37,7 @@ from . import checkpoint as ckpt
 from . import distributed as du
 from .config import Config, config_hash
 from .data import train_loader
-from .metrics import (RunningMeans, SectionTimer, category_diversity, model_flops_per_clip,
+from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
 from .runlog import RunLogger, StepMetrics, summarise, truncate_rows
@@ -96,7 +96,8 @@ def fill_epoch_pools(model, loader, device, epoch):
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
-MEANS = ("loss", "acc", "diversity", "gnorm", "fallback")  # per-step scalars averaged per row
+# per-step scalars averaged per row (gnorm NaN where the sampler does not measure it)
+MEANS = ("loss", "acc", "unique_per_m", "coverage", "gnorm", "fallback")
 
 
 class Trainer:
@@ -398,11 +399,11 @@ class Trainer:
         if bad:
             return None
         self.last_enq = stats["enq_index_v"]
-        zero = torch.zeros((), device=dev)
-        div = (category_diversity(self.last_enq, self.labels, self.loader.num_classes)
-               if self.labels is not None else zero)
-        self.means.add(loss=loss.detach().float(), acc=stats["acc"].float(), diversity=div,
-                       gnorm=stats.get("gnorm", zero).float(),
+        zero, nan = torch.zeros((), device=dev), torch.full((), float("nan"), device=dev)
+        div = (negative_diversity(self.last_enq, self.labels, self.loader.num_classes)
+               if self.labels is not None else {"unique_per_m": nan, "coverage": nan})
+        self.means.add(loss=loss.detach().float(), acc=stats["acc"].float(), **div,
+                       gnorm=stats.get("gnorm", nan).float(),
                        fallback=stats.get("fallback", zero).float())
         return stats
 
@@ -458,7 +459,7 @@ class Trainer:
         self.logger.write(StepMetrics(
             step=self.step, epoch=self.epoch, loss=m["loss"], acc=m["acc"],
             lr=self.opt.param_groups[0]["lr"], clips_per_s=clips_s,
-            diversity=m["diversity"] if self.labels is not None else float("nan"),
+            unique_per_m=m["unique_per_m"], coverage=m["coverage"],
             gnorm=m["gnorm"], active=float(stats.get("active", 0.0)), fallback=m["fallback"],
             t_data=secs.get("data", 0.0) / n, t_step=secs.get("step", 0.0) / n,
             t_select=secs.get("select", 0.0) / n,

@@ -32,7 +32,7 @@ def test_diversity_command_compares_samplers(tmp_path):
     assert set(res["runs"]) == {"random", "active"}
     assert (tmp_path / "diversity.png").exists()
     for r in res["runs"].values():
-        assert 0 < r["diversity_last"] <= 1 and 0 <= r["probe_video"] <= 1
+        assert 0 < r["unique_per_m_last"] <= r["coverage_last"] <= 1 and 0 <= r["probe_video"] <= 1
 
 
 @pytest.fixture(scope="module")

@@ -248,11 +248,18 @@ def test_config_rejects_bad_values(kw, msg):
         tiny_cfg(**kw)
 
 
-def test_category_diversity_equals_hand_count():
-    from cmacc.metrics import category_diversity
+def test_negative_diversity_equals_hand_counts():
+    from cmacc.metrics import negative_diversity
+
+    def div(index, c=5):
+        return {k: v.item() for k, v in negative_diversity(torch.tensor(index), labels, c).items()}
 
     labels = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4])  # dataset index -> class (5 classes)
-    index = torch.tensor([0, 1, 4, -1, 3, 1])  # classes {0, 2} (+ a no-clip entry)
-    assert category_diversity(index, labels, 5).item() == pytest.approx(2 / 5)
-    assert category_diversity(torch.tensor([-1, -1]), labels, 5).item() == 0.0
-    assert category_diversity(torch.arange(8), labels, 5).item() == 1.0
+    # clips 0, 1, 4, 3, 1 (+ a no-clip entry): M = 5 enqueued, classes {0, 2}: U = 2
+    assert div([0, 1, 4, -1, 3, 1]) == pytest.approx({"unique_per_m": 2 / 5, "coverage": 2 / 5})
+    # M = 3 < C = 5: every class distinct is the ceiling, coverage 1
+    assert div([0, 2, 5]) == pytest.approx({"unique_per_m": 1.0, "coverage": 1.0})
+    # M = 8 > C = 5: U = 5 is the ceiling; U / M = 5 / 8
+    assert div(list(range(8))) == pytest.approx({"unique_per_m": 5 / 8, "coverage": 1.0})
+    assert div([6, 7, 7, 6]) == pytest.approx({"unique_per_m": 1 / 4, "coverage": 1 / 4})
+    assert div([-1, -1]) == {"unique_per_m": 0.0, "coverage": 0.0}

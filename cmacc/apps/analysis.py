@@ -96,7 +96,7 @@ def diversity(out, steps, data="synthetic", samplers=tuple(SAMPLER_LABELS)) -> d
     for run_dir, (s, sections) in diversity_runs(out, samplers).items():
         table[s] = pretrain(run_dir, s, steps, data=data, sections=sections)
         runs[SAMPLER_LABELS[s]] = str(run_dir / "metrics.csv")
-    png = plot_metrics(runs, out / "diversity.png", keys=("diversity", "acc", "gnorm"))
+    png = plot_metrics(runs, out / "diversity.png", keys=("unique_per_m", "coverage", "acc", "gnorm"))
     return {"png": str(png), "runs": table}
 
 
@@ -233,10 +233,14 @@ def write_report(out, results: dict) -> Path:
     if "diversity" in results:
         lines += ["## Negative-category diversity per iteration (paper Fig. 3)", "",
                   "![diversity](diversity.png)", "",
-                  "| sampler | diversity (last) | pretext acc (last) | probe video | probe audio |",
-                  "|---|---|---|---|---|"]
+                  "unique/M = distinct categories among the M enqueued negatives / M (the paper's "
+                  "appendix metric); coverage = distinct categories / min(M, C) (1.0 = ceiling).", "",
+                  "| sampler | unique/M (last) | coverage (last) | pretext acc (last) | probe video | "
+                  "probe audio |",
+                  "|---|---|---|---|---|---|"]
         for s, r in results["diversity"]["runs"].items():
-            lines.append(f"| {SAMPLER_LABELS[s]} | {r['diversity_last']:.3f} | {r['acc_last']:.3f} | "
+            lines.append(f"| {SAMPLER_LABELS[s]} | {r['unique_per_m_last']:.3f} | "
+                         f"{r['coverage_last']:.3f} | {r['acc_last']:.3f} | "
                          f"{r.get('probe_video', float('nan')):.3f} | {r.get('probe_audio', float('nan')):.3f} |")
         lines.append("")
     if "dictsize" in results:

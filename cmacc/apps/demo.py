@@ -68,12 +68,13 @@ def main(argv=None):
              for m in ("video", "audio")}
     png = plot_metrics({k: str(d / "metrics.csv") for k, (_, d) in runs.items()},
                        out / "curves.png")
-    print("\n| method | loss first → last | pretext acc first → last | negative-category "
-          "diversity (last) | linear probe video / audio | clips/s |")
+    print("\n| method | loss first → last | pretext acc first → last | negatives: unique/M, "
+          "coverage (last) | linear probe video / audio | clips/s |")
     print("|---|---|---|---|---|---|")
     for label, s in summaries.items():
         print(f"| {label} | {s['loss_first']:.3f} → {s['loss_last']:.3f} | "
-              f"{s['acc_first']:.3f} → {s['acc_last']:.3f} | {s['diversity_last']:.3f} | "
+              f"{s['acc_first']:.3f} → {s['acc_last']:.3f} | {s['unique_per_m_last']:.3f}, "
+              f"{s['coverage_last']:.3f} | "
               f"{s['probe_video']:.3f} / {s['probe_audio']:.3f} | {s['clips_per_s']:.0f} |")
     print(f"| no pretraining (random init) | | | | {floor['video']:.3f} / {floor['audio']:.3f} | |")
     print(f"\ncurves: {png}\nruns: {out}/xmoco, {out}/cmacc (re-running resumes/finishes them)")

@@ -1,6 +1,6 @@
 """Render training curves of one or more runs to a PNG.
 
-    python -m cmacc.apps.plot runs/xmoco runs/cmacc --out curves.png [--keys loss acc diversity]
+    python -m cmacc.apps.plot runs/xmoco runs/cmacc --out curves.png [--keys loss acc coverage]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("runs", nargs="+", help="run folders (each with metrics.csv) or metrics.csv files")
     p.add_argument("--out", default="curves.png")
-    p.add_argument("--keys", nargs="+", default=["loss", "acc", "diversity", "gnorm"],
+    p.add_argument("--keys", nargs="+", default=["loss", "acc", "unique_per_m", "coverage", "gnorm"],
                    help="metrics.csv columns, one panel each")
     args = p.parse_args(argv)
     paths, columns = {}, set()
