@@ -42,8 +42,6 @@ def _commands_log_only_within_their_test():
     """Commands run in-process (here, or in session fixtures) install a stderr log handler
     (data_dali.cli.setup_logging); each test starts and ends without it, so what a test reads
     on stderr never depends on test order."""
-    import logging
-
     from data_dali.cli import drop_logging
 
     drop_logging()
