@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_dali.cli import first_line
 from data_dali.fileio import atomic_path, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def find_latest_valid(out_dir, run_id: str | None = None) -> tuple[Path, dict] |
         try:
             ck = validate(p, load(p), run_id)
         except Exception as e:  # a partial, corrupt or foreign file: never used, never fatal
-            log.warning("skipping checkpoint %s: %s", p, (str(e).strip().splitlines() or [e])[0])
+            log.warning("skipping checkpoint %s: %s", p, first_line(e))
             continue
         log.info("newest valid checkpoint in %s: %s (step %d)", d, p.name, ck["step"])
         return p, ck
@@ -133,11 +134,12 @@ class Checkpoints:
         validate(path, load(path), self.run_id)  # read back: what is on disk is whole
         self.mine = [n for n in self.mine if n != path.name] + [path.name]
         self.last = path
-        self._record()
-        for name in self.mine[:-self.keep]:  # oldest first; the newest (just read back) stays
+        self._record()  # the new checkpoint is on record before any old one goes
+        old, self.mine = self.mine[:-self.keep], self.mine[-self.keep:]
+        for name in old:  # oldest first; the newest (just read back) stays
             (self.out / name).unlink(missing_ok=True)
-        self.mine = self.mine[-self.keep:]
-        self._record()
+        if old:
+            self._record()
         return path
 
     def _record(self):

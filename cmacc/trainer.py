@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data_dali.cli import UserError, output_folder
+from data_dali.cli import UserError, first_line, output_folder
 from data_dali.fileio import sweep_temporaries
 
 from . import amp
@@ -262,8 +262,8 @@ class Trainer:
             try:
                 found = (Path(resume), ckpt.validate(resume, ckpt.load(resume)))
             except Exception as e:
-                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise UsageError(f"--resume {resume}: not a readable checkpoint of train.py ({why}); "
+                raise UsageError(f"--resume {resume}: not a readable checkpoint of train.py "
+                                 f"({first_line(e)}); "
                                  "pass a ckpt_*.pt file, 'auto' or 'none'") from None
             if info and found[1].get("run_id") != info["run_id"]:
                 raise UsageError(f"--out {out} holds run {info['run_id']}; resuming the run of "

@@ -32,6 +32,11 @@ class UserError(Exception):
     what to do. Commands print it as one line and exit 2."""
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """An exception's message as one line (its first), or its type's name if it has none."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 def wants_debug(argv) -> bool:
     return "--debug" in (sys.argv[1:] if argv is None else argv)
 

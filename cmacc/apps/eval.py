@@ -26,7 +26,8 @@ from cmacc.config import Config
 from cmacc.data import eval_splits
 from cmacc.model import CMACC
 from cmacc.probe import extract_features, finetune, linear_probe
-from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
+from data_dali.cli import (ArgumentParser, UserError, command, first_line, output_folder,
+                           setup_logging)
 from data_dali.fileio import atomic_write_text
 
 from . import positive_int
@@ -69,7 +70,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
         model.load_state_dict(state["model"])
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"{p}: its weights do not match its own config "
-                              f"({str(e).splitlines()[0][:160]}); {_FIX}") from None
+                              f"({first_line(e, 160)}); {_FIX}") from None
     return model, state
 
 
@@ -81,7 +82,7 @@ def _why_unloadable(e: Exception) -> str:
         return "empty or truncated"
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    return str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+    return first_line(e, 160)
 
 
 def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, frames=None):
