@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu-check clean
 
 install: $(STAMP)
 
@@ -24,6 +24,11 @@ bench: install
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,max,rounds
 	$(PY) bench/bench_grad_embed.py --sizes 4096 38400
 	$(PY) bench/bench_kmeanspp.py --sizes 4096 38400
+
+# CUDA machines: compiled kernel tests, selection sweep, DALI GPU decode, a short GPU training
+# run; appends a dated table to bench/RESULTS.md
+gpu-check: install
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf runs/demo .pytest_cache

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, LOADERS, OBJECTIVES, POOL_MODES, PRESETS,
-                          SAMPLERS)
+from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS, OBJECTIVES,
+                          POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
 from cmacc.trainer import NonFiniteLoss, Trainer
 from data_dali.cli import ArgumentParser, UserError, command, setup_logging
@@ -65,6 +65,10 @@ FLAGS = {
         ("--pool-mode", "selection.pool_mode", dict(choices=POOL_MODES, help="rolling (default, free) or epoch (paper)")),
         ("--pool-size", "selection.pool_size", dict(type=int, help="candidate pool size N (paper 300*M)")),
         ("--tau-p", "selection.tau_p", dict(type=float, help="pseudo-posterior temperature (1.0)")),
+        ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding (ieee)")),
+        ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (fp32; bf16 halves k-means++ bytes)")),
+        ("--kmeans", "selection.kmeans", dict(choices=KMEANS_VARIANTS, help="GPU k-means++: a launch per step (default) or one persistent launch")),
+        ("--no-select-overlap", "selection.overlap", dict(action="store_const", const=False, help="GPU: run the selection in line instead of on a side stream")),
         ("--fcl", "model.fcl", dict(action="store_const", const=True, help="cross-modal FC layer (default on)")),
         ("--no-fcl", "model.fcl", dict(action="store_const", const=False, help="ablation 'w/o fcl'")),
         ("--batch-size", "model.batch_size", dict(type=int, help="GLOBAL mini-batch M")),
@@ -87,6 +91,8 @@ FLAGS = {
         ("--clips", "data.clips", dict(type=int, help="number of synthetic clips")),
         ("--classes", "data.classes", dict(type=int, help="number of synthetic classes")),
         ("--redundancy", "data.redundancy", dict(type=float, help="near-duplicate fraction in [0,1)")),
+        ("--class-dist", "data.class_dist", dict(help="clips per class: 'uniform' (default) or 'zipf:S' "
+                                                 "(class c gets a share ∝ 1/(c+1)^S: a long tail)")),
         ("--noise", "data.noise", dict(type=float, help="pixel / mel noise level (tiny preset: 1.0)")),
     ],
 }

@@ -4,11 +4,12 @@ The selection = grad_embed + k-means++ seeding of k = M centres (DESIGN.md §4),
 M = 128, d = 128, d_h = 512.
 
 Providers (the baselines are imported from kernels/reference.py, never re-implemented here):
-  triton        the Triton branch of kernels.select: fused grad_embed emitting |g|^2, row-space
-                compression, k-means++ steps replayed from a CUDA graph. GPU; on CPU only under
+  triton        the Triton branch of kernels.select: a capacity-shaped plan bound to the pool
+                buffer (kernels/triton_select.py: fused grad_embed emitting |g|^2, the Gram
+                route, k-means++ steps), replayed from its CUDA graph. GPU; on CPU only under
                 TRITON_INTERPRET=1 and at the smallest size, printed as "interpreter: not a
                 performance figure" and never written to the CSV.
-  factored      reference.grad_embed(compress=True) + reference.kmeanspp (eager PyTorch)
+  factored      reference.select (Gram-route factors + reference.kmeanspp, eager PyTorch)
   materialised  reference.grad_embed (uncompressed) + reference.materialise (d*d_h = 65,536
                 floats per candidate) + reference.kmeanspp_dense
   sklearn       sklearn.cluster.kmeans_plusplus(g, n_clusters=M, n_local_trials=1,
@@ -21,8 +22,8 @@ and every seeding step are linear in N), and the row says so.
 
 Bytes a selection must move (fp32), the model behind the GB/s column:
     N*d*4 + M*(d+d_h)*4          read keys, queries, features once
-  + N*(a+b+1)*4                  write alpha, beta', |g|^2           (a = d, b = min(M, d_h))
-  + k*N*(a+b+2)*4                each of the k steps reads alpha, beta', |g|^2 and D
+  + N*(a+2b+1)*4                 write alpha, beta, beta_c, |g|^2    (a = d, b = M: Gram route)
+  + k*N*(a+b+3)*4                each of the k steps reads alpha, beta, |g|^2, D and writes D
 Time per selection: the median, from triton.testing.do_bench on CUDA and from
 torch.utils.benchmark.Timer.blocked_autorange on CPU (--min-run-time seconds of calls after a
 first, warming one; the slow providers run twice). The sweep is a triton.testing.perf_report
@@ -71,15 +72,12 @@ def providers(device) -> dict:
     ``device`` (triton: CUDA, or the interpreter on CPU)."""
 
     def triton_sel(keys, queries, feats, k, seed):
-        from kernels.triton_grad_embed import grad_embed_triton_with_norms
-        from kernels.triton_kmeanspp import kmeanspp_triton
+        from kernels.triton_select import select_triton
 
-        a, b, sqn = grad_embed_triton_with_norms(keys, queries, feats, compress=True)
-        return kmeanspp_triton(a, b, k, seed=seed, validate=False, sqn=sqn)
+        return select_triton(keys, queries, feats, k, seed=seed, n=keys.shape[0], validate=False)
 
     def factored(keys, queries, feats, k, seed):
-        a, b = ref.grad_embed(keys, queries, feats, compress=True)
-        return ref.kmeanspp(a, b, k, seed=seed, validate=False)
+        return ref.select(keys, queries, feats, k, seed=seed, validate=False)
 
     def materialised(keys, queries, feats, k, seed):
         a, b = ref.grad_embed(keys, queries, feats)
@@ -105,7 +103,7 @@ def providers(device) -> dict:
 
 def bytes_model(n, m, d, dh, k):
     a, b = d, min(m, dh)
-    return n * d * 4 + m * (d + dh) * 4 + n * (a + b + 1) * 4 + k * n * (a + b + 2) * 4
+    return n * d * 4 + m * (d + dh) * 4 + n * (a + 2 * b + 1) * 4 + k * n * (a + b + 3) * 4
 
 
 def extrapolate(rows, names):

@@ -23,6 +23,9 @@ OBJECTIVES = ("cross", "smoco")  # cross-modal (XMoCo / CM-ACC) or unimodal SMoC
 SAMPLERS = ("random", "active", "active-feature", "ohem")
 GRAD_VIEWS = ("head", "queries")
 POOL_MODES = ("rolling", "epoch")
+SELECT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input precision of the embedding kernel
+SELECT_FACTORS = ("fp32", "bf16")  # storage of the gradient-embedding factors
+KMEANS_VARIANTS = ("steps", "persistent")  # k-means++: a launch per step, or one persistent one
 DICT_INITS = ("encode", "random")
 AMPS = ("none", "bf16", "fp16")
 LOADERS = ("auto", "dali", "reference")
@@ -84,9 +87,22 @@ class SelectionConfig:
     pool_mode: str = "rolling"
     pool_size: int = 300 * 128  # N
     tau_p: float = 1.0  # pseudo-posterior temperature (paper eq. 5: 1)
+    # how the selection runs on a GPU (kernels.select); the CPU reference computes in fp32
+    precision: str = "ieee"
+    factors: str = "fp32"
+    kmeans: str = "steps"  # not measured on a GPU yet: the default stays the per-step variant
+    overlap: bool = True  # CUDA: select on a side stream while the key encoders run
+
+    # added after checkpoints existed: they count in config_hash only away from their default,
+    # and the two that cannot change a result (kmeans, overlap) never count
+    _HASH_IF_SET = ("precision", "factors")
+    _HASH_NEVER = ("kmeans", "overlap")
 
     def __post_init__(self):
         _choice("sampler", self.sampler, SAMPLERS)
+        _choice("precision", self.precision, SELECT_PRECISIONS)
+        _choice("factors", self.factors, SELECT_FACTORS)
+        _choice("kmeans", self.kmeans, KMEANS_VARIANTS)
         _choice("grad_view", self.grad_view, GRAD_VIEWS)
         _choice("pool_mode", self.pool_mode, POOL_MODES)
         _positive(self, "pool_size")
@@ -109,6 +125,7 @@ class DataConfig:
     classes: int = 10
     redundancy: float = 0.0
     noise: float = 0.3
+    class_dist: str = "uniform"  # clips per class: "uniform" or "zipf:S" (share ∝ 1/(c+1)^S)
 
     def __post_init__(self):
         _choice("loader", self.loader, LOADERS)
@@ -121,6 +138,9 @@ class DataConfig:
             raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
+        from .data import check_class_dist  # (the law lives with the generator, in data_dali)
+
+        check_class_dist(self.class_dist)
 
     @property
     def synthetic(self) -> bool:
@@ -260,7 +280,16 @@ def to_dict(cfg) -> dict:
 
 def config_hash(*cfgs) -> str:
     """What must match for a checkpoint to resume: a short hash of these configs."""
-    blob = json.dumps([to_dict(c) for c in cfgs], sort_keys=True).encode()
+    dicts = []
+    for c in cfgs:
+        d = to_dict(c)
+        for name in getattr(c, "_HASH_NEVER", ()):
+            d.pop(name, None)
+        for name in getattr(c, "_HASH_IF_SET", ()):
+            if d.get(name) == getattr(type(c), name):
+                d.pop(name, None)
+        dicts.append(d)
+    blob = json.dumps(dicts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -7,15 +7,22 @@ from __future__ import annotations
 import torch
 
 import data_dali
-from data_dali.synthetic import ToyAV, ToyLoader, held_out
+from data_dali.synthetic import ToyAV, ToyLoader, held_out, zipf_exponent
 
 from .config import DataConfig
+
+
+def check_class_dist(class_dist: str) -> None:
+    """A ValueError naming --class-dist (class_dist) and its accepted forms unless
+    ``class_dist`` is 'uniform' or 'zipf:S' (S >= 0)."""
+    zipf_exponent(class_dist, flag="--class-dist (class_dist)")
 
 
 def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
     """The built-in clips of a run (the one place they are made from a config)."""
     return ToyAV(num_clips=dcfg.clips, num_classes=dcfg.classes, frames=dcfg.frames,
-                 size=dcfg.size, redundancy=dcfg.redundancy, noise=dcfg.noise, seed=seed)
+                 size=dcfg.size, redundancy=dcfg.redundancy, noise=dcfg.noise,
+                 class_dist=dcfg.class_dist, seed=seed)
 
 
 def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
@@ -41,7 +48,7 @@ class SyntheticSplits:
 
     def __init__(self, data: ToyAV):
         self.data, self.num_classes = data, data.num_classes
-        self.test_mask = held_out(torch.arange(len(data)) // self.num_classes)
+        self.test_mask = held_out(data.instance)  # [n] by the clip's rank within its class
 
     def splits(self, wanted=None):
         if wanted and set(map(str, wanted)) != {"1"}:

@@ -16,6 +16,8 @@ One training iteration (``CMACC.forward``), for the global batch of M clips spli
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -37,6 +39,29 @@ def contrastive_loss(q, k_pos, negatives, tau):
     loss = F.cross_entropy(logits.float(), target)
     acc = (logits.argmax(1) == 0).float().mean()
     return loss, acc
+
+
+@contextlib.contextmanager
+def _on(stream):
+    """Run the block on ``stream`` after everything queued so far on the current one; None: in
+    line."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _join(stream, *selections):
+    """The current stream waits for ``stream``; the selections' tensors, made there, are marked
+    as used here too (so the allocator does not hand their memory back to the side stream
+    early)."""
+    main = torch.cuda.current_stream(stream.device)
+    main.wait_stream(stream)
+    for sel in selections:
+        for t in (sel.keys, sel.index, sel.gnorm, sel.fallback):
+            t.record_stream(main)
 
 
 class CMACC(nn.Module):
@@ -73,6 +98,7 @@ class CMACC(nn.Module):
         self.pool_a = KeyPool(self.sel.pool_size, cfg.dim)  # U_a
         self.shuffle_bn = True  # MoCo's shuffle-BN in the key encoders (world size > 1)
         self.timer = None  # optional metrics.SectionTimer: times the active selection
+        self._stream = None  # CUDA side stream of the selection (created on first use)
 
     @property
     def method(self) -> str:
@@ -114,26 +140,39 @@ class CMACC(nn.Module):
         if cfg.objective == "smoco":
             return self._smoco(q_v, q_a, index, video2, audio2)
 
-        k_v = self.encode_keys(self.h_v, video)  # [B, d]
-        k_a = self.encode_keys(self.h_a, audio)
-        k_v_all, k_a_all = du.gather_cat(k_v), du.gather_cat(k_a)  # [M, d]
         index_all = du.gather_cat(index)  # [M]
         stats = {}
         # active once the pool can hold the dictionary plus a batch: U \ D then has >= M
         # candidates (before that, and for XMoCo, the batch keys are enqueued: warm-up)
         ready = min(self.pool_v.size, cfg.dict_size + index_all.shape[0])
         active = self.sel.sampler != "random" and self.pool_v.count >= ready
+        side, keys = None, None
+        if not (active and self.sel.overlap):  # the serial schedule: keys, then the selection
+            keys = self._encode_batch_keys(video, audio)
         if active:  # paper Alg. 1 lines 10-21: select, enqueue, then the loss
             q_v_all, h_v_all = du.gather_cat(q_v.detach()), du.gather_cat(h_v.detach().float())
             q_a_all, h_a_all = du.gather_cat(q_a.detach()), du.gather_cat(h_a.detach().float())
             m = index_all.shape[0]
-            t0 = self.timer.start() if self.timer else None
-            sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
-            sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
+            # the selection needs only the queries and the pools: with overlap it is issued
+            # before the key encoders, on CUDA on a side stream that runs while they do
+            side = self._side_stream(q_v) if self.sel.overlap else None
+            with _on(side):
+                t0 = self.timer.start() if self.timer else None
+                sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
+                sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
+                if self.timer:
+                    self.timer.stop("select", t0)  # total time of the selection
+        if keys is None:
+            keys = self._encode_batch_keys(video, audio)
+        k_v, k_a, k_v_all, k_a_all = keys
+        if active:
+            tw = self.timer.start() if self.timer else None
+            if side is not None:  # the step waits here only for what the keys did not hide
+                _join(side, sel_v, sel_a)
+            if self.timer:  # visible: the wait (overlap), or the whole selection (in line)
+                self.timer.stop("select_visible", tw if side is not None else t0)
             self.dict_v.enqueue(sel_v.keys, sel_v.index)
             self.dict_a.enqueue(sel_a.keys, sel_a.index)
-            if self.timer:
-                self.timer.stop("select", t0)
             stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2
             stats["fallback"] = torch.maximum(sel_v.fallback, sel_a.fallback)
             stats["enq_index_v"], stats["enq_index_a"] = sel_v.index, sel_a.index
@@ -151,10 +190,27 @@ class CMACC(nn.Module):
         return (loss_va + loss_av) / 2, stats
 
     def _select(self, pool, dictionary, queries, feats, m, step, which):
-        pk, pi = pool.valid()
-        return select(self.sel.sampler, pool_keys=pk, pool_index=pi, dict_index=dictionary.index,
-                      queries=queries, feats=feats, m=m, tau_p=self.sel.tau_p,
-                      view=self.sel.grad_view, seed=selection_seed(self.cfg.seed, step, which))
+        # the pool's capacity buffers and valid count: one GPU graph for every fill level
+        return select(self.sel.sampler, pool_keys=pool.keys, pool_index=pool.index, n=pool.count,
+                      dict_index=dictionary.index, queries=queries, feats=feats, m=m,
+                      tau_p=self.sel.tau_p, view=self.sel.grad_view,
+                      seed=selection_seed(self.cfg.seed, step, which),
+                      engine=dict(precision=self.sel.precision, factors=self.sel.factors,
+                                  variant=self.sel.kmeans))
+
+    def _encode_batch_keys(self, video, audio):
+        """k_v, k_a [B, d] of this rank's clips and their global [M, d] gathers."""
+        k_v = self.encode_keys(self.h_v, video)  # [B, d]
+        k_a = self.encode_keys(self.h_a, audio)
+        return k_v, k_a, du.gather_cat(k_v), du.gather_cat(k_a)
+
+    def _side_stream(self, like: torch.Tensor):
+        """The CUDA stream the selection runs on (created once), or None off CUDA."""
+        if not like.is_cuda:
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=like.device)
+        return self._stream
 
     def _smoco(self, q_v, q_a, index, video2, audio2):
         if video2 is None or audio2 is None:

@@ -35,11 +35,12 @@ class StepMetrics:
     fallback: float = 0.0  # share of steps whose U \ D exclusion had to be dropped
     t_data: float = 0.0  # seconds per step waiting for data
     t_step: float = 0.0  # seconds per step computing
-    t_select: float = 0.0  # seconds per step in the active selection
+    t_select: float = 0.0  # seconds per step in the active selection (total)
     mfu: float = NAN  # model FLOP utilisation (NaN where the peak is unknown)
     mem_gb: float = NAN  # peak CUDA memory
     nonfinite: float = 0.0  # steps skipped so far for a NaN/Inf loss or gradient
     data_wait: float = NAN  # share of the wall time spent waiting for the next batch
+    t_select_visible: float = 0.0  # of t_select, seconds the step waited (overlap hides the rest)
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -52,6 +53,8 @@ class CSVLog:
         self.path, self.fields = Path(path), fields
         self.path.parent.mkdir(parents=True, exist_ok=True)
         new = not self.path.exists() or self.path.stat().st_size == 0
+        if not new:
+            _upgrade_header(self.path, fields)
         self.f = open(self.path, "a", newline="")
         self.w = csv.DictWriter(self.f, fieldnames=fields, extrasaction="ignore")
         if new:
@@ -64,6 +67,20 @@ class CSVLog:
 
     def close(self):
         self.f.close()
+
+
+def _upgrade_header(path, fields) -> None:
+    """A CSV written by a version with other columns (a resumed run) is rewritten, atomically,
+    under ``fields``: its rows keep their values, columns it lacks are left empty."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames == fields:
+            return
+        rows = list(reader)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
 
 
 def read_csv(path) -> list[dict]:
@@ -116,9 +133,9 @@ class RunLogger:
                     self.tb.add_scalar(k, v, m.step)
         log.info("step %6d | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
                  "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
-                 "select %.2f ms | mfu %s", m.step, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
+                 "select %.2f ms (%.2f visible) | mfu %s", m.step, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
                  m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
-                 1e3 * m.t_select, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
+                 1e3 * m.t_select, 1e3 * m.t_select_visible, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 
     def close(self):
         if self.csv is not None:

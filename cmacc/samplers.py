@@ -9,6 +9,9 @@ Active samplers pick from the pool U_x minus the candidates whose clip is alread
 pseudo-label space is the other modality's queries of the (global) batch. No host sync: if a
 degenerate pool (tiny dataset) leaves fewer than M eligible candidates, the exclusion is
 dropped for that step on the device and ``fallback`` records it.
+
+The pool is passed as its capacity buffers and the valid count n: on a GPU the active
+selection reads the buffer in place, from one CUDA graph for every n (kernels/triton_select.py).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def selection_seed(base: int, step: int, which: int) -> int:
 def select(
     sampler: str,
     *,
-    pool_keys: torch.Tensor,  # [N, d]
-    pool_index: torch.Tensor,  # [N]
+    pool_keys: torch.Tensor,  # [cap, d] (rows [0, n) valid)
+    pool_index: torch.Tensor,  # [cap]
     dict_index: torch.Tensor,  # [K]
     queries: torch.Tensor,  # [M, d] other modality's queries (pseudo-label space)
     feats: torch.Tensor,  # [M, d_h] their pre-head features
@@ -54,24 +57,27 @@ def select(
     seed: int,
     tau_p: float = 1.0,
     view: str = "head",
+    n: int | None = None,  # valid candidates (default: every row)
+    engine: dict | None = None,  # kernels.select options: precision, factors, variant
 ) -> Selection:
     if sampler not in SAMPLERS or sampler == "random":
         raise ValueError(f"select: sampler {sampler!r} is not one of {SAMPLERS[1:]}")
-    n = pool_keys.shape[0]
+    n = pool_keys.shape[0] if n is None else n
     if n < m:
         raise ValueError(f"select: the pool holds {n} candidates, fewer than m={m}")
-    exclude = torch.isin(pool_index, dict_index)  # [N]  U \ D
+    exclude = torch.isin(pool_index[:n], dict_index)  # [n]  U \ D
     too_few = (~exclude).sum() < m  # [] bool, stays on device
     exclude = exclude & ~too_few
     if sampler == "active":
         idx = kernels.select(pool_keys, queries, feats, m, seed=seed, tau=tau_p, view=view,
-                             exclude=exclude, validate=False)
+                             exclude=exclude, validate=False, n=n, **(engine or {}))
     elif sampler == "active-feature":
         ones = torch.ones(n, 1, device=pool_keys.device)
-        idx = kernels.kmeanspp(pool_keys, ones, m, seed=seed, exclude=exclude, validate=False)
+        idx = kernels.kmeanspp(pool_keys[:n], ones, m, seed=seed, exclude=exclude,
+                               validate=False)
     else:  # ohem: CE(p_n, yhat_n) = logsumexp_j s_nj - max_j s_nj
-        s = pool_keys.float() @ queries.float().t() / tau_p  # [N, M]
-        ce = torch.logsumexp(s, 1) - s.max(1).values  # [N]
+        s = pool_keys[:n].float() @ queries.float().t() / tau_p  # [n, M]
+        ce = torch.logsumexp(s, 1) - s.max(1).values  # [n]
         ce = ce.masked_fill(exclude, float("-inf"))
         idx = ce.topk(m).indices
     keys, index = pool_keys[idx], pool_index[idx]

@@ -463,6 +463,7 @@ class Trainer:
             gnorm=m["gnorm"], active=float(stats.get("active", 0.0)), fallback=m["fallback"],
             t_data=secs.get("data", 0.0) / n, t_step=secs.get("step", 0.0) / n,
             t_select=secs.get("select", 0.0) / n,
+            t_select_visible=secs.get("select_visible", 0.0) / n,
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
             else float("nan"),
             mem_gb=(torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda"

@@ -7,15 +7,19 @@ through ``data_dali.prepare`` and the loaders like any dataset).
 Both renderings follow one law (the functions below the imports):
 - class c of C: a sinusoidal grating with orientation pi c / C and spatial frequency 2 + c % 3
   cycles per frame width (``class_grating``), with a class sound: energy in a class band of the
-  log-mel (in memory) or a class pitch (files);
+  log-mel (in memory) or a class pitch (files; ``class_pitch``);
 - instance: drift speed, phase and colour (``instance_params``); the grating drifts and the
   sound's envelope beats at the same speed and phase, so picture and sound correspond per
   instance; plus noise;
 - ``redundancy`` r in [0, 1): groups of ``group_size(r)`` = round(1 / (1 - r)) consecutive
   instances of a class share their parameters (near duplicates: the paper's premise that random
-  negatives are redundant; ``instance_group``).
+  negatives are redundant; ``instance_group``);
+- ``class_dist``: how many clips each class gets — ``uniform`` (balanced) or ``zipf:S`` (class c
+  gets a share proportional to 1 / (c + 1)^S: a long tail, as in UCF101 / Kinetics-like
+  pools). Quotas, not draws: the counts are the largest-remainder rounding of n * p_c
+  (``class_counts``), so a dataset is exactly its law, whatever the seed.
 
-    python -m data_dali.synthetic OUT [--classes 8 --per-class 12 --seconds 3]
+    python -m data_dali.synthetic OUT [--classes 8 --per-class 12 --seconds 3 --class-dist zipf:1]
 
 writes OUT/<class>/<clip>.mp4 (the class-folder layout that ``data_dali.prepare`` reads) and
 OUT/list.csv. ``write_broken`` writes deliberately bad files for tests (truncated, zero-size, no
@@ -55,6 +59,55 @@ def instance_group(k, redundancy: float):
     return k // group_size(redundancy)
 
 
+CLASS_DIST_FORMS = "'uniform' or 'zipf:S' (S a number >= 0; class c gets a share ∝ 1/(c+1)^S)"
+
+
+def zipf_exponent(class_dist: str, flag: str = "--class-dist") -> float:
+    """The exponent S of a class distribution: 'uniform' is 0, 'zipf:S' is S (>= 0, finite).
+    Anything else is a SyntheticError (a ValueError) naming ``flag`` and the accepted forms."""
+    text = str(class_dist).strip()
+    if text == "uniform":
+        return 0.0
+    kind, _, value = text.partition(":")
+    try:
+        s = float(value) if kind == "zipf" else math.nan
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and s >= 0):
+        raise SyntheticError(f"{flag} {class_dist!r}: expected {CLASS_DIST_FORMS}, e.g. zipf:1")
+    return s
+
+
+def class_probs(class_dist: str, num_classes: int) -> np.ndarray:
+    """[C] float64: the share of each class, p_c = (c + 1)^-S / sum_k (k + 1)^-S."""
+    w = np.arange(1, num_classes + 1, dtype=np.float64) ** -zipf_exponent(class_dist)
+    return w / w.sum()
+
+
+def class_counts(class_dist: str, num_clips: int, num_classes: int) -> list[int]:
+    """Clips per class: the largest-remainder rounding of num_clips * p_c (floors first, then
+    one more clip for the largest remainders, ties to the lower class). Sums to num_clips and
+    |count_c - num_clips * p_c| < 1; 'uniform' gives the first num_clips % C classes one more."""
+    share = num_clips * class_probs(class_dist, num_classes)
+    counts = np.floor(share).astype(np.int64)  # sum <= num_clips
+    rest = share - counts
+    order = sorted(range(num_classes), key=lambda c: (-round(rest[c], 9), c))
+    for c in order[:num_clips - int(counts.sum())]:
+        counts[c] += 1
+    return counts.tolist()
+
+
+def interleave(counts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels [n], instance [n]) of the clips of ``counts[c]`` instances per class, in rounds:
+    instance 0 of every class, then instance 1 of every class that has one, and so on. With
+    equal counts clip j is class j % C, instance j // C."""
+    counts = torch.as_tensor(counts)
+    inst = torch.arange(int(counts.max()) if len(counts) else 0)
+    keep = inst[:, None] < counts[None, :]  # [rounds, C]
+    return (torch.arange(len(counts)).expand_as(keep)[keep],  # row-major: rounds, then classes
+            inst[:, None].expand_as(keep)[keep])
+
+
 def held_out(instance):
     """The test-split rule of both renderings: every 4th instance of a class is a test clip."""
     return instance % 4 == 3
@@ -64,6 +117,13 @@ def class_grating(label, num_classes: int):
     """(orientation in radians, spatial frequency in cycles per frame width) of class ``label``
     (a number, an array or a float tensor)."""
     return math.pi * label / num_classes, 2.0 + label % 3
+
+
+def class_pitch(label, num_classes: int) -> float:
+    """The tone of class ``label`` in the files, Hz: 220 * 2^(label * step), step = 1/4 octave
+    (a minor third) while C <= 20, else 5 / C octaves, so that every class stays at or below
+    220 * 2^5 = 7040 Hz, under the 8 kHz Nyquist frequency of 16 kHz audio (no aliasing)."""
+    return 220.0 * 2 ** (label * min(0.25, 5.0 / num_classes))
 
 
 def instance_params(uniform) -> dict:
@@ -81,22 +141,23 @@ def instance_params(uniform) -> dict:
 # In memory: the CPU playground of the method (tests, ``--data synthetic``)
 # ----------------------------------------------------------------------------------------------
 class ToyAV:
-    """``num_clips`` clips, clip j of class j % num_classes and instance j // num_classes.
-    ``video`` [n, 3, frames, size, size] (a grating in [-1, 1] times the colour, + noise);
+    """``num_clips`` clips: ``class_counts(class_dist, ...)`` of each class, in the order of
+    ``interleave`` (balanced: clip j of class j % num_classes and instance j // num_classes);
+    ``labels`` and ``instance`` (the clip's rank within its class) [n]. ``video`` [n, 3, frames, size, size] (a grating in [-1, 1] times the colour, + noise);
     ``audio`` [n, n_mels, mel_frames] (log-mel-like: a Gaussian band at the class's band,
     beating at the drift rate, + noise). Clip time runs over [0, 1) in both."""
 
     def __init__(self, num_clips=256, num_classes=8, frames=8, size=32, mel_frames=None,
-                 n_mels=80, fps=10, redundancy=0.0, noise=0.3, seed=0):
+                 n_mels=80, fps=10, redundancy=0.0, noise=0.3, class_dist="uniform", seed=0):
         if num_clips < 1 or num_classes < 1:
             raise ValueError("ToyAV: num_clips and num_classes must be >= 1")
-        self.num_clips, self.num_classes = num_clips, num_classes
+        self.num_clips, self.num_classes, self.redundancy = num_clips, num_classes, redundancy
         self.frames, self.size, self.n_mels = frames, size, n_mels
         self.mel_frames = mel_frames or round(frames * 100 / fps)
         self.class_names = [f"class{c:02d}" for c in range(num_classes)]
-        self.labels = torch.arange(num_clips) % num_classes  # [n]
+        self.labels, self.instance = interleave(class_counts(class_dist, num_clips, num_classes))
         g = torch.Generator().manual_seed(seed)
-        inst = instance_group(torch.arange(num_clips) // num_classes, redundancy)  # [n]
+        inst = instance_group(self.instance, redundancy)  # [n] parameter group
         n_inst = int(inst.max()) + 1
         p = instance_params(lambda *shape: torch.rand(n_inst, num_classes, *shape, generator=g))
         c, i = self.labels, inst
@@ -192,10 +253,10 @@ def _frames(label, n_classes, inst, t_frames, fps, w, h, noise, rng):
     return out
 
 
-def _sound(label, inst, seconds, sr, noise, rng):
+def _sound(label, n_classes, inst, seconds, sr, noise, rng):
     """[seconds * sr] float32: the class pitch, its envelope beating with the grating's drift."""
     t = np.arange(int(seconds * sr)) / sr
-    pitch = 220.0 * 2 ** (label / 4)
+    pitch = class_pitch(label, n_classes)
     env = 0.5 * (1 + np.cos(2 * math.pi * inst["speed"] * t - inst["phase"]))
     wave = 0.3 * env * np.sin(2 * math.pi * pitch * t) + 0.3 * noise * rng.standard_normal(t.shape)
     return wave.astype(np.float32)
@@ -252,9 +313,11 @@ def write_av(path, frames: np.ndarray | None, fps: int, wave: np.ndarray | None,
 
 
 def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72, fps=15,
-                  sr=16_000, redundancy=0.3, noise=0.15, seed=0) -> Path:
+                  sr=16_000, redundancy=0.3, noise=0.15, seed=0, class_dist="uniform") -> Path:
     """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,split: every 4th instance
-    of a class is a test clip); return OUT. Existing files are kept (resumable)."""
+    of a class is a test clip); return OUT. ``classes * per_class`` clips, shared out by
+    ``class_counts(class_dist, ...)`` (uniform: ``per_class`` each; a class whose quota is 0
+    has no clip). Existing files are kept (resumable)."""
     for name, value, low in (("classes", classes, 1), ("per_class", per_class, 1), ("width", width, 2),
                              ("height", height, 2), ("fps", fps, 1), ("sr", sr, 1000)):
         if value < low:
@@ -262,12 +325,13 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
     if not 0 < seconds * fps < 1e6:
         raise SyntheticError(f"--seconds must give 1 to 10^6 frames at {fps} fps, got {seconds}")
     group_size(redundancy)  # checks the range
+    counts = class_counts(class_dist, classes * per_class, classes)
     out = output_folder(out, "OUT")
     listing = ["path,label,split"]
     rng = np.random.default_rng(seed)
     params = {}
     for c in range(classes):
-        for i in range(per_class):
+        for i in range(counts[c]):
             key = (c, instance_group(i, redundancy))
             if key not in params:
                 p = instance_params(lambda *shape: rng.random(shape or None))  # () -> a float
@@ -279,7 +343,7 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
             inst = params[key]
             crng = np.random.default_rng([seed, c, i])
             frames = _frames(c, classes, inst, int(seconds * fps), fps, width, height, noise, crng)
-            write_av(path, frames, fps, _sound(c, inst, seconds, sr, noise, crng), sr)
+            write_av(path, frames, fps, _sound(c, classes, inst, seconds, sr, noise, crng), sr)
     atomic_write_text(out / "list.csv", "\n".join(listing) + "\n")
     return out
 
@@ -332,7 +396,7 @@ def write_broken(out, fps=10, sr=16_000) -> dict:
     rng = np.random.default_rng(0)
     inst = dict(speed=1.0, phase=0.0, colour=np.ones(3, np.float32))
     good = _frames(0, 4, inst, 30, fps, 64, 48, 0.1, rng)
-    tone = _sound(0, inst, 3.0, sr, 0.1, rng)
+    tone = _sound(0, 4, inst, 3.0, sr, 0.1, rng)
     write_av(out / "ok.mp4", good, fps, tone, sr)
     write_av(out / "no_audio.mp4", good, fps, None, sr)
     write_av(out / "silent.mp4", good, fps, np.zeros_like(tone), sr)
@@ -368,10 +432,12 @@ def main(argv=None):
     p.add_argument("--per-class", type=int, default=12)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--redundancy", type=float, default=0.3, help="in [0, 1): near-duplicate instances")
+    p.add_argument("--class-dist", default="uniform",
+                   help=f"clips per class: {CLASS_DIST_FORMS}; --per-class is then the mean")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     print(write_dataset(args.out, args.classes, args.per_class, args.seconds,
-                        redundancy=args.redundancy, seed=args.seed))
+                        redundancy=args.redundancy, seed=args.seed, class_dist=args.class_dist))
     return 0
 
 

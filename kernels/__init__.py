@@ -25,7 +25,7 @@ from . import reference
 __all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status"]
 
 _CHOICES = ("auto", "triton", "reference")
-_TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp")
+_TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")
 _NOT_INSTALLED = "triton is not installed (pip install triton)"
 _triton = None  # after the first attempt: (grad_embed module, kmeanspp module), or why not
 
@@ -95,22 +95,39 @@ def grad_embed(keys, queries, feats=None, *, tau=1.0, view="head", compress=Fals
     return reference.grad_embed(keys, queries, feats, tau=tau, view=view, compress=compress)
 
 
-def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True):
+def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True, beta_c=None, sqn=None):
     """k distinct indices by k-means++ seeding over alpha (x) beta; see reference.kmeanspp."""
     if backend_for(alpha) == "triton":
         return _triton[1].kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude,
-                                          validate=validate)
-    return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)
+                                          validate=validate, beta_c=beta_c, sqn=sqn)
+    return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                              beta_c=beta_c, sqn=sqn)
 
 
-def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None, validate=True):
-    """One dictionary's active selection: grad_embed (row-space compressed in the `head` view)
-    followed by k-means++ seeding. Returns long [k] indices into ``keys``."""
-    if backend_for(keys) == "triton":  # fused: grad_embed also emits |g_n|^2 for k-means++
-        ge, km = _triton
-        alpha, beta, sqn = ge.grad_embed_triton_with_norms(keys, queries, feats, tau=tau,
-                                                           view=view, compress=True)
-        return km.kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
-                                  sqn=sqn)
-    alpha, beta = reference.grad_embed(keys, queries, feats, tau=tau, view=view, compress=True)
-    return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate)
+def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None, validate=True,
+           n=None, precision=None, factors="fp32", variant="steps"):
+    """One dictionary's active selection: the gradient-embedding factors (Gram route in the
+    `head` view, no QR) followed by k-means++ seeding. Returns long [k] indices into ``keys``.
+
+    ``n``: ``keys`` is a pool's capacity buffer [cap, d] and its first n rows are the candidates
+    (``exclude`` [cap] too). On the Triton path this reads the buffer in place from one CUDA graph
+    per pool shape (kernels/triton_select.py); without ``n`` the keys are copied into a plan.
+    ``precision`` (tl.dot: ieee | tf32x3 | tf32), ``factors`` (fp32 | bf16 storage of the
+    factors) and ``variant`` (steps | persistent k-means++) apply to the Triton path; the
+    reference computes in fp32 (bf16 factors: rounded as the kernel stores them)."""
+    if backend_for(keys) == "triton":
+        return _triton[2].select_triton(keys, queries, feats, k, seed=seed, n=n, tau=tau,
+                                        view=view, exclude=exclude, validate=validate,
+                                        precision=precision, factors=factors, variant=variant)
+    if n is not None:
+        keys = keys[:n]
+        exclude = None if exclude is None else exclude[:n]
+    if factors == "fp32":
+        return reference.select(keys, queries, feats, k, seed=seed, tau=tau, view=view,
+                                exclude=exclude, validate=validate)
+    if factors != "bf16":
+        raise ValueError(f"select: factors={factors!r} is not one of ('fp32', 'bf16')")
+    alpha, beta, beta_c, _ = reference.select_factors(keys, queries, feats, tau=tau, view=view)
+    bf = torch.bfloat16  # stored as the kernel stores them; |g|^2 from the rounded values
+    return reference.kmeanspp(alpha.to(bf), beta.to(bf), k, seed=seed, exclude=exclude,
+                              validate=validate, beta_c=None if beta_c is None else beta_c.to(bf))

@@ -1,21 +1,29 @@
-"""Compile the Triton kernels for an NVIDIA GPU on a machine without one (ahead of time).
+"""Compile the Triton kernels for an NVIDIA GPU on a machine without one (ahead of time), exactly
+as the selection path launches them.
 
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, but not that they compile
-for a GPU: e.g. a plain Python int global is fine in the interpreter and a NameError in the
-compiler. This module runs the real compiler pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin,
-with the ptxas bundled in the triton wheel) for the shapes of the selection path, and reports
-shared memory, registers and spills per kernel variant:
+for a GPU (a plain Python int global is fine in the interpreter and a NameError in the
+compiler), nor what the compiled code costs. This module runs the host code of the selection
+path (kernels/triton_grad_embed.py ``embed_into`` and kernels/triton_kmeanspp.py
+``launch_seeding``, the functions kernels/triton_select.py calls) on CPU tensors of the real
+shapes with every launch *recorded* instead of run; each recorded launch then goes through
+Triton's own argument binder -- the runtime specialisation: integers equal to 1 become
+constants, integers and pointers divisible by 16 get the divisibility attribute, the launch
+options (warps, stages, enable_fp_fusion, cooperative grid) apply -- and the real compiler
+pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin, with the ptxas bundled in the triton wheel).
+The autotuned embedding kernel is compiled for every config that survives pruning. Reported per
+variant: shared memory, registers and spills (ptxas -v):
 
-    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--all]
+    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--n 38400] [--m 128] [--markdown]
 
-No CUDA driver or device is needed. Needs TRITON_INTERPRET unset/0 *before* the Triton modules
-(kernels/triton_*.py) are imported: Triton decides between interpreter and compiler when a kernel
-is defined, and the interpreter's kernels cannot be compiled.
+No CUDA driver or device is needed. TRITON_INTERPRET must be unset/0 *before* the Triton modules
+are imported: Triton decides between interpreter and compiler when a kernel is defined.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -23,11 +31,10 @@ import tempfile
 
 # Shared memory per block (opt-in maximum, bytes) by compute capability: a launch limit.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+SMS = {80: 108, 86: 84, 89: 128, 90: 132}  # SMs of the reference part (A100, ..., H100 SXM)
 
 
-def _variants(full: bool, ops):
-    """(name, jit function, signature, constexprs, options, divisible-by-16 args): the tile
-    configurations the host wrappers launch on a GPU."""
+def _modules():
     from . import triton_grad_embed as ge
     from . import triton_kmeanspp as km
 
@@ -36,48 +43,85 @@ def _variants(full: bool, ops):
                            "(TRITON_INTERPRET=1 when kernels/triton_*.py were imported), which "
                            "cannot be compiled; run it in a fresh process with TRITON_INTERPRET "
                            "unset")
+    return ge, km
 
-    f32p = "*fp32"
-    ge_sig = dict(k_ptr=f32p, q_ptr=f32p, f_ptr=f32p, alpha_ptr=f32p, beta_ptr=f32p,
-                  sqn_ptr=f32p, N="i32", M="i32", D="i32", DH="i32", tau="fp32",
-                  stride_kn="i32", stride_kd="i32", stride_qm="i32", stride_qd="i32",
-                  stride_fm="i32", stride_fh="i32", stride_an="i32", stride_bn="i32")
-    ge_div = [k for k in ge_sig if k.endswith("_ptr")] + [
-        "stride_kn", "stride_qm", "stride_fm", "stride_an", "stride_bn"]
-    km_sig = dict(a_ptr=f32p, b_ptr=f32p, sqn_ptr=f32p, dmin_ptr=f32p, picks_ptr="*i64",
-                  seed_ptr="*i64", part_score_ptr=f32p, part_idx_ptr="*i32", N="i32", A="i32",
-                  B="i32", P="i32", t="i32", stride_an="i32", stride_bn="i32")
-    km_div = [k for k in km_sig if k.endswith("_ptr")] + ["stride_an", "stride_bn"]
-    gfn = ge._grad_embed_kernel.fn  # the JITFunction under the autotuner
-    configs = [c for c in ge._grad_embed_configs()]
-    cases = [(128, True), (128, False)] + ([(256, True), (256, False), (64, True)] if full else [])
-    for bm, head in cases if "grad_embed" in ops else ():
-        kept = ge._prune_configs(configs, {}, BLOCK_M=bm)
-        for c in kept if full else kept[1:2]:
-            bn = c.kwargs["BLOCK_N"]
-            yield (f"grad_embed M<={bm} {'head' if head else 'queries'} BLOCK_N={bn} "
-                   f"warps={c.num_warps}", gfn, ge_sig,
-                   dict(HEAD=head, BLOCK_N=bn, BLOCK_M=bm, BLOCK_D=64, BLOCK_H=64,
-                        PRECISION="ieee"),
-                   dict(num_warps=c.num_warps, num_stages=c.num_stages), ge_div)
-    if "kmeanspp" not in ops:
-        return
-    for n in ((38400, 150000) if full else (38400,)):
-        cfg = dict(km._step_config(n))
-        p = -(-n // cfg["BLOCK_N"])
-        bp = 1 << (p - 1).bit_length()
-        for first in ((True, False) if full else (False,)):
-            yield (f"kmeanspp step N={n} FIRST={first} BLOCK_N={cfg['BLOCK_N']}",
-                   km._kmeanspp_step_kernel, km_sig,
-                   dict(FIRST=first, BLOCK_N=cfg["BLOCK_N"], BLOCK_A=cfg["BLOCK_K"],
-                        BLOCK_B=cfg["BLOCK_K"], BLOCK_P=bp), dict(num_warps=cfg["num_warps"]),
-                   km_div)
-    yield ("kmeanspp pick", km._kmeanspp_pick_kernel,
-           dict(part_score_ptr=f32p, part_idx_ptr="*i32", picks_ptr="*i64", P="i32", t="i32"),
-           dict(BLOCK_P=512), dict(num_warps=4), ["part_score_ptr", "part_idx_ptr", "picks_ptr"])
-    yield ("uniform_hash (test helper)", km._uniform_hash_kernel,
-           dict(u_ptr=f32p, seed_ptr="*i64", N="i32", t="i32"), dict(BLOCK_N=1024),
-           dict(num_warps=4), ["u_ptr", "seed_ptr"])
+
+@contextlib.contextmanager
+def _recording(kernels):
+    """Within the block, launching any of ``kernels`` (JITFunction or Autotuner) appends
+    (jit function, args, kwargs) to the yielded list instead of running; an autotuned kernel
+    records one entry per config that survives its pruning."""
+    calls = []
+
+    def jit_recorder(fn):
+        def run(*args, grid, warmup, **kwargs):
+            calls.append((fn, args, kwargs))
+        return run
+
+    def tuner_recorder(tuner):
+        def run(*args, grid=None, warmup=False, **kwargs):
+            tuner.nargs = dict(zip(tuner.arg_names, args))
+            for cfg in tuner.prune_configs(kwargs):
+                calls.append((tuner.fn, args, {**kwargs, **cfg.all_kwargs()}))
+            tuner.nargs = None
+        return run
+
+    for k in kernels:
+        k.run = tuner_recorder(k) if hasattr(k, "configs") else jit_recorder(k)
+    try:
+        yield calls
+    finally:
+        for k in kernels:
+            del k.run  # the class's run again
+
+
+def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", precision="ieee",
+                     factors="fp32", variant="steps", sms=132):
+    """The launches of one selection (kernels/triton_select.py's sequence) at these shapes."""
+    import torch
+
+    ge, km = _modules()
+    fdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[factors]
+    head = view == "head"
+    gram = head and dh > m and m <= ge.GRAM_MAX_M
+    a = d if head else m
+    b = (m if gram else dh) if head else d
+    keys = torch.zeros(n, d)
+    queries = torch.zeros(m, d)
+    f = torch.zeros(m, m) if gram else torch.zeros(m, dh)
+    alpha, beta = torch.zeros(n, a, dtype=fdt), torch.zeros(n, b, dtype=fdt)
+    beta_c = torch.zeros(n, b, dtype=fdt) if gram else None
+    sqn, dmin = torch.zeros(n), torch.zeros(n)
+    excl = torch.zeros(n, dtype=torch.uint8)
+    n_t, seed_t = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
+    picks = torch.zeros(k, dtype=torch.int64)
+    cfg = km.seeding_config(n, a, b, variant, sms=sms)
+    ps = torch.zeros(2 * cfg["grid"])
+    pi = torch.zeros(2 * cfg["grid"], dtype=torch.int32)
+    bar = torch.zeros(1, dtype=torch.int32)
+    kernels = [ge._grad_embed_kernel, km._kmeanspp_step_kernel, km._kmeanspp_pick_kernel,
+               km._kmeanspp_persistent_kernel]
+    with _recording(kernels) as calls:
+        ge.embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, tau=1.0, view=view,
+                      gram=gram, precision=precision)
+        km.launch_seeding(alpha, beta, beta if beta_c is None else beta_c, sqn, dmin, excl, n_t,
+                          picks, seed_t, ps, pi, bar, k, cfg, variant)
+    return calls
+
+
+def _compile_call(fn, args, kwargs, target):
+    """Compile one recorded launch through Triton's runtime binder (its specialisation rules)."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
+                                                          specialization, options)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    return triton.compile(src, target=target, options=options.__dict__), signature, constexprs
 
 
 def _ptxas_info(ptx: str, arch: int) -> str:
@@ -97,27 +141,51 @@ def _ptxas_info(ptx: str, arch: int) -> str:
     return "; ".join(lines)
 
 
-def compile_all(arch: int = 90, full: bool = False, ptxas_info: bool = False,
-                ops=("grad_embed", "kmeanspp")) -> list[dict]:
-    """Compile the variants of ``ops`` for sm_<arch>; returns [{name, shared, info}]. Raises on
-    the first variant that does not compile (the error names it), or if the kernels were
-    defined for the interpreter."""
-    import triton
+def _describe(fn, kwargs, constexprs, args) -> str:
+    name = fn.__name__.lstrip("_").replace("_kernel", "")
+    keep = ("HEAD", "GRAM", "FIRST", "PRECISION", "BLOCK_N", "BLOCK_M", "BLOCK_A", "BLOCK_B")
+    cs = {fn.arg_names[p[0]]: v for p, v in constexprs.items()}
+    parts = [f"{k}={cs[k]}" for k in keep if k in cs]
+    dts = sorted({str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype")
+                  and a.is_floating_point() and a.dtype != __import__("torch").float32})
+    if dts:
+        parts.append("factors=" + "/".join(dts))
+    parts.append(f"warps={kwargs.get('num_warps', 4)}")
+    return f"{name} " + " ".join(parts)
+
+
+def compile_selection(arch=90, *, n=38400, m=128, d=128, dh=512, k=128,
+                      views=("head", "queries"), precisions=("ieee", "tf32x3", "tf32"),
+                      factors=("fp32", "bf16"), variants=("steps", "persistent"),
+                      ptxas_info=False) -> list[dict]:
+    """Compile every distinct kernel variant the selection path launches for these settings;
+    returns [{name, shared, info, settings}]. Raises on the first variant that does not compile
+    (the error names it)."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", arch, 32)
-    out = []
-    for name, fn, sig, consts, options, div16 in _variants(full, ops):
-        attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in div16}
-        src = ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
-                        constexprs=consts, attrs=attrs)
-        try:
-            ck = triton.compile(src, target=target, options=options)
-        except Exception as e:  # name the variant; the compiler's message follows
-            raise RuntimeError(f"{name}: does not compile for sm_{arch}: {e}") from e
-        info = _ptxas_info(ck.asm["ptx"], arch) if ptxas_info else ""
-        out.append(dict(name=name, shared=ck.metadata.shared, info=info))
+    seen, out = set(), []
+    for view in views:
+        for prec in precisions:
+            for fac in factors:
+                for var in variants:
+                    calls = record_selection(n, m, d, dh, k, view=view, precision=prec,
+                                             factors=fac, variant=var, sms=SMS.get(arch, 132))
+                    for fn, args, kwargs in calls:
+                        try:
+                            ck, sig, consts = _compile_call(fn, args, kwargs, target)
+                        except Exception as e:  # name the variant; the compiler's message follows
+                            raise RuntimeError(
+                                f"{fn.__name__} ({view}, {prec}, {fac}, {var}): does not compile "
+                                f"for sm_{arch}: {e}") from e
+                        key = (fn.__name__, ck.hash if hasattr(ck, "hash") else ck.asm["ptx"])
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        info = _ptxas_info(ck.asm["ptx"], arch) if ptxas_info else ""
+                        out.append(dict(name=_describe(fn, kwargs, consts, args),
+                                        shared=ck.metadata.shared, info=info,
+                                        settings=f"{view}/{prec}/{fac}/{var}"))
     return out
 
 
@@ -125,14 +193,26 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
-    p.add_argument("--all", action="store_true", help="every tile variant, not only the defaults")
+    p.add_argument("--n", type=int, default=38400, help="pool capacity")
+    p.add_argument("--m", type=int, default=128, help="batch M (pseudo-labels, k)")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (bench/RESULTS.md)")
     args = p.parse_args(argv)
     limit = SHARED_LIMIT.get(args.arch, 101376)
+    rows = compile_selection(args.arch, n=args.n, m=args.m, k=args.m, ptxas_info=True)
     bad = 0
-    for r in compile_all(args.arch, full=args.all, ptxas_info=True):
+    if args.markdown:
+        print("| kernel variant | first seen in (view/precision/factors/k-means) | shared B | "
+              "ptxas -v |")
+        print("|---|---|---:|---|")
+    for r in rows:
         over = r["shared"] > limit
         bad += over
-        print(f"{r['name']:<52} shared {r['shared']:>7} B{' > LIMIT' if over else ''}  {r['info']}")
+        if args.markdown:
+            print(f"| {r['name']} | {r['settings']} | {r['shared']}{' > LIMIT' if over else ''} "
+                  f"| {r['info']} |")
+        else:
+            print(f"{r['name']:<70} shared {r['shared']:>7} B{' > LIMIT' if over else ''}  "
+                  f"{r['info']}")
     return 1 if bad else 0
 
 

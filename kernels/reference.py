@@ -15,11 +15,20 @@ g_n = alpha_n (x) beta_n, never materialised here:
 
 and ||g_n - g_c||^2 = |a_n|^2 |b_n|^2 + |a_c|^2 |b_c|^2 - 2 (a_n . a_c)(b_n . b_c).
 
+The selection path (``select_factors``, ``select``) needs only those dot products, so in the
+head view with d_h > M it never forms H^T r_n: with the Gram matrix G = H H^T (M x M) it keeps
+beta_n = r_n / tau (M) and a centre-side factor bc_n = G r_n / tau (M), and
+beta_n . bc_c = r_n^T G r_c / tau^2 = (H^T r_n) . (H^T r_c) / tau^2 -- exact, no QR. ``kmeanspp``
+takes that optional ``beta_c``:
+
+    ||g_n - g_c||^2 = sqn_n + sqn_c - 2 (a_n . a_c)(b_n . bc_c)     sqn_n = |a_n|^2 (b_n . bc_n)
+
 k-means++ seeding draws each centre by an *exponential race*: with E_n ~ Exp(1) from a
 counter-based RNG keyed by (seed, step, n), the candidate maximising D_n / E_n is drawn with
 probability D_n / sum(D) -- the D^2 law -- and the race needs only a max-reduction. The RNG is
-integer-only (murmur3 finaliser on uint32) so the Triton kernel reproduces the draws bit for
-bit; see ``uniform_hash``.
+integer-only (murmur3 finaliser on 32-bit words) so the Triton kernel reproduces the draws bit
+for bit; see ``uniform_hash``. A candidate whose |g_n|^2 is not finite (NaN or Inf in its
+factors) is never drawn, exactly like an excluded one.
 
 Everything here is deterministic for a given seed and runs on any device without a host
 synchronisation inside the k steps (the optional argument check in ``kmeanspp`` syncs once).
@@ -27,19 +36,24 @@ synchronisation inside the k steps (the optional argument check in ``kmeanspp`` 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = [
     "grad_embed",
     "grad_embed_autograd",
+    "hash_to_uniform",
     "kmeanspp",
     "kmeanspp_dense",
     "materialise",
     "pairwise_sqdist_factored",
     "row_space_factor",
     "seed32",
-    "uniform_hash",
+    "select",
+    "select_factors",
     "step_key",
+    "uniform_hash",
+    "uniform_hash_steps",
     "VIEWS",
 ]
 
@@ -50,24 +64,28 @@ _MASK32 = 0xFFFFFFFF
 _C1 = 0x85EBCA6B
 _C2 = 0xC2B2AE35
 _GOLDEN = 0x9E3779B9
+_RNG_STEPS = 16  # race uniforms are generated for this many steps at once ([16, N] int32)
 
 
 # ----------------------------------------------------------------------------------------------
 # Counter-based RNG (integer only, identical in torch and Triton)
 # ----------------------------------------------------------------------------------------------
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
-    lo = x & 0xFFFF
-    hi = x >> 16
-    return ((lo * c) + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+# Tensors hold each uint32 word as its int32 bit pattern: xor, add and multiply wrap mod 2^32
+# exactly as on uint32, and a logical right shift is the arithmetic one with the sign bits
+# masked off. The pure-int versions below (``_fmix32_int``) are the spec the tests check against.
+def _i32(c: int) -> int:
+    """The int32 value with the bit pattern of the uint32 c."""
+    c &= _MASK32
+    return c - (1 << 32) if c >= 1 << 31 else c
 
 
-def _fmix32_t(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, _C1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, _C2)
-    x = x ^ (x >> 16)
+def _fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """murmur3 fmix32, in place on an int32 tensor (uint32 bit patterns)."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _i32(_C1)
+    x ^= (x >> 13) & 0x7FFFF
+    x *= _i32(_C2)
+    x ^= (x >> 16) & 0xFFFF
     return x
 
 
@@ -94,23 +112,60 @@ def step_key(seed: int, step: int) -> int:
     return _fmix32_int(seed32(seed) ^ _fmix32_int((int(step) * _GOLDEN + 1) & _MASK32))
 
 
+def _step_keys(seed: int, step0: int, steps: int, device) -> torch.Tensor:
+    """step_key(seed, t) for t in [step0, step0 + steps), computed on ``device`` (no copy from
+    the host): int32 [steps]."""
+    t = torch.arange(steps, device=device, dtype=torch.int32)
+    t += _i32(step0)
+    t *= _i32(_GOLDEN)
+    t += 1
+    t = _fmix32_(t)
+    t ^= _i32(seed32(seed))
+    return _fmix32_(t)
+
+
+def _as_i32(idx: torch.Tensor) -> torch.Tensor:
+    """Integer indices, reduced mod 2^32, as int32 bit patterns."""
+    if idx.dtype == torch.int32:
+        return idx
+    idx = idx.to(torch.int64)
+    return (((idx + (1 << 31)) & _MASK32) - (1 << 31)).to(torch.int32)
+
+
+def hash_to_uniform(h: torch.Tensor) -> torch.Tensor:
+    """U = ((h >> 9) + 0.5) * 2^-23 for 32-bit hashes h (an int32 tensor of bit patterns, or
+    any integer tensor holding values in [0, 2^32)): fp32 in [2^-24, 1 - 2^-24], strictly inside
+    (0, 1), every value exactly representable (23 bits + the half), so -log U is finite and > 0."""
+    top = (_as_i32(h) >> 9) & 0x7FFFFF  # logical h >> 9: 23 bits
+    return top.to(torch.float32).add_(0.5).mul_(2.0**-23)
+
+
+def _hash_block(seed: int, step0: int, steps: int, idx: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hashes h(seed, t, n) = fmix(fmix(n ^ key_t) + key_t), key_t = step_key(seed, t),
+    for t in [step0, step0 + steps) and the int32 indices ``idx`` [N]: int32 [steps, N]."""
+    keys = _step_keys(seed, step0, steps, idx.device)[:, None]  # [S, 1]
+    h = idx[None, :] ^ keys  # [S, N]
+    h = _fmix32_(h)
+    h += keys
+    return _fmix32_(h)
+
+
+def uniform_hash_steps(seed: int, step0: int, steps: int, n: int, device=None) -> torch.Tensor:
+    """U(seed, t, n) for the steps t in [step0, step0 + steps) and n in [0, N), fp32 [steps, N],
+    in one vectorised pass (bit for bit the rows of ``uniform_hash``)."""
+    idx = torch.arange(n, device=device, dtype=torch.int32)
+    return hash_to_uniform(_hash_block(seed, step0, steps, idx))
+
+
 def uniform_hash(seed: int, step: int, n: int | torch.Tensor, device=None) -> torch.Tensor:
-    """U(seed, step, n) in (0, 1), fp32, exactly representable: ((h >> 8) + 0.5) * 2^-24
-    with h = fmix(fmix(n ^ key) + key), key = step_key(seed, step). ``n`` is an int N (the
-    indices 0..N-1 are used) or an integer tensor of indices."""
+    """U(seed, step, n) in (0, 1), fp32, exactly representable: U = ((h >> 9) + 0.5) * 2^-23
+    (``hash_to_uniform``, so U lies in [2^-24, 1 - 2^-24]) with the 32-bit hash
+    h = fmix(fmix(n ^ key) + key), key = step_key(seed, step), fmix = murmur3's fmix32 and all
+    arithmetic mod 2^32. ``n`` is an int N (the indices 0..N-1 are used) or an integer tensor
+    of indices (taken mod 2^32)."""
     if isinstance(n, int):
-        idx = torch.arange(n, device=device, dtype=torch.int64)
-    else:
-        idx = n.to(torch.int64)
-    key = step_key(seed, step)
-    h = _fmix32_t((idx & _MASK32) ^ key)
-    h = _fmix32_t((h + key) & _MASK32)
-    return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
-
-
-def _exp1(seed: int, step: int, n: int, device) -> torch.Tensor:
-    """E_n ~ Exp(1), fp32: -log(U)."""
-    return -torch.log(uniform_hash(seed, step, n, device=device))
+        return uniform_hash_steps(seed, step, 1, n, device=device)[0]
+    return hash_to_uniform(_hash_block(seed, step, 1, _as_i32(n.reshape(-1)))[0]).view(n.shape)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +196,14 @@ def _check_grad_embed_args(keys, queries, feats, tau, view):
             )
 
 
+def _residual(k: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
+    """r = softmax(k q^T / tau) - onehot(argmax), fp32 [N, M] (dCE/ds for the pseudo-labels)."""
+    s = (k @ q.t()) / tau  # [N, M]
+    p = torch.softmax(s, dim=1)  # [N, M]
+    yhat = s.argmax(dim=1)  # [N]
+    return p.scatter_add(1, yhat[:, None], -torch.ones_like(p[:, :1]))  # [N, M]  p - e_yhat
+
+
 def grad_embed(
     keys: torch.Tensor,  # [N, d]
     queries: torch.Tensor,  # [M, d]
@@ -153,18 +216,14 @@ def grad_embed(
     """Factors (alpha [N, a], beta [N, b]), fp32, of the last-layer gradient embeddings
     g_n = alpha_n (x) beta_n (module docstring). Inputs of any float dtype; math in fp32.
 
-    ``compress=True`` (``head`` view only, used by the selection path): beta is returned in
-    the row space of H, beta'_n = R_H r_n / tau with H^T = Q_H R_H (thin QR), whenever
-    d_h > M. Dot products and norms of beta' equal those of beta, so k-means++ distances and
-    picks are unchanged while b shrinks from d_h to M.
+    ``compress=True`` (``head`` view only): beta is returned in the row space of H,
+    beta'_n = R_H r_n / tau with H^T = Q_H R_H (thin QR), whenever d_h > M. Dot products and
+    norms of beta' equal those of beta, so it is a materialisable compressed embedding with
+    b = M (for analysis); the selection path uses ``select_factors`` instead (no QR).
     """
     _check_grad_embed_args(keys, queries, feats, tau, view)
     k = keys.float()  # [N, d]
-    q = queries.float()  # [M, d]
-    s = (k @ q.t()) / tau  # [N, M]
-    p = torch.softmax(s, dim=1)  # [N, M]
-    yhat = s.argmax(dim=1)  # [N]
-    r = p.scatter_add(1, yhat[:, None], -torch.ones_like(p[:, :1]))  # [N, M]  p - e_yhat
+    r = _residual(k, queries.float(), tau)  # [N, M]
     if view == "queries":
         return r, k / tau
     f = feats.float()  # [M, d_h]
@@ -182,6 +241,46 @@ def row_space_factor(feats: torch.Tensor) -> torch.Tensor:
         return f
     _, r = torch.linalg.qr(f.t(), mode="reduced")  # f.t() = Q R, R [M, M]
     return r.t().contiguous()
+
+
+def _sqnorm(alpha: torch.Tensor, beta: torch.Tensor, beta_c: torch.Tensor) -> torch.Tensor:
+    """|g_n|^2 = |a_n|^2 (b_n . bc_n), fp32 [N] (factors already fp32)."""
+    return (alpha * alpha).sum(1) * (beta * beta_c).sum(1)
+
+
+def select_factors(
+    keys: torch.Tensor,  # [N, d]
+    queries: torch.Tensor,  # [M, d]
+    feats: torch.Tensor | None = None,  # [M, d_h]
+    *,
+    tau: float = 1.0,
+    view: str = "head",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The selection path's factors (alpha [N, a], beta [N, b], beta_c [N, b] or None,
+    sqn [N]), fp32, for ``kmeanspp(alpha, beta, k, beta_c=beta_c, sqn=sqn)``; no QR.
+
+      queries view:         alpha = r   [N, M]   beta = k / tau     [N, d]    beta_c = None
+      head view, d_h <= M:  alpha = k   [N, d]   beta = r H / tau   [N, d_h]  beta_c = None
+      head view, d_h > M:   alpha = k   [N, d]   beta = r / tau     [N, M]    beta_c = r G / tau
+                            with G = H H^T [M, M], so beta_n . beta_c_c = (r_n H).(r_c H) / tau^2
+
+    and sqn_n = |alpha_n|^2 (beta_n . bc_n) = |g_n|^2 (bc = beta_c, or beta when None):
+    |r|^2 |k|^2 / tau^2, |k|^2 |beta|^2 and |k|^2 (beta . beta_c) respectively.
+    """
+    _check_grad_embed_args(keys, queries, feats, tau, view)
+    k = keys.float()  # [N, d]
+    r = _residual(k, queries.float(), tau)  # [N, M]
+    if view == "queries":
+        alpha, beta, beta_c = r, k / tau, None  # [N, M], [N, d]
+    else:
+        f = feats.float()  # [M, d_h]
+        alpha = k
+        if f.shape[1] <= f.shape[0]:
+            beta, beta_c = (r @ f) / tau, None  # [N, d_h]
+        else:
+            beta, beta_c = r / tau, (r @ (f @ f.t())) / tau  # [N, M], [N, M]
+    sqn = _sqnorm(alpha, beta, beta if beta_c is None else beta_c)  # [N]
+    return alpha, beta, beta_c, sqn
 
 
 def grad_embed_autograd(
@@ -216,7 +315,8 @@ def materialise(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_sqdist_factored(alpha, beta, alpha_c, beta_c) -> torch.Tensor:
-    """||g_n - g_c||^2 [N, C] from factors, fp32, clamped at 0."""
+    """||g_n - g_c||^2 [N, C] between g_n = alpha_n (x) beta_n and the centres
+    g_c = alpha_c (x) beta_c (rows of the last two arguments), from factors, fp32, clamped at 0."""
     a, b = alpha.float(), beta.float()
     ac, bc = alpha_c.float(), beta_c.float()
     sq = (a * a).sum(1) * (b * b).sum(1)  # [N]
@@ -228,7 +328,10 @@ def pairwise_sqdist_factored(alpha, beta, alpha_c, beta_c) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # k-means++ seeding (steps 4-5)
 # ----------------------------------------------------------------------------------------------
-def _check_kmeanspp_args(n: int, k: int, exclude: torch.Tensor | None, device, validate: bool):
+def _check_kmeanspp_args(n: int, k: int, exclude: torch.Tensor | None, device, validate: bool,
+                         nonfinite: torch.Tensor | None = None):
+    """Checks k and the exclude mask's shape; with ``validate``, that k <= the eligible count
+    (not excluded and, where ``nonfinite`` [N] bool is given, not non-finite): one host sync."""
     if k < 1:
         raise ValueError(f"kmeanspp: k must be >= 1, got {k}")
     if exclude is not None and (exclude.dim() != 1 or exclude.shape[0] != n):
@@ -238,40 +341,138 @@ def _check_kmeanspp_args(n: int, k: int, exclude: torch.Tensor | None, device, v
     if not validate:
         return
     # One host sync: the eligible count decides whether the request can be met at all.
-    eligible = n if exclude is None else n - int(exclude.sum())
+    out = torch.zeros(n, dtype=torch.bool, device=device)
+    if exclude is not None:
+        out |= exclude.to(device=device, dtype=torch.bool)
+    bad = 0
+    if nonfinite is not None:
+        bad_mask = nonfinite.to(device) & ~out
+        out |= bad_mask
+        bad = int(bad_mask.sum())
+    eligible = n - int(out.sum())
     if k > eligible:
+        why = "eligible (not excluded)" if nonfinite is None else (
+            f"eligible (not excluded; {bad} more had non-finite gradient embeddings, NaN or Inf "
+            "in their factors: check the keys/queries/features)")
         raise ValueError(
             f"kmeanspp: asked for k={k} centres but only {eligible} of {n} candidates are "
-            "eligible (not excluded); lower k or enlarge the candidate pool"
+            f"{why}; lower k or enlarge the candidate pool"
         )
 
 
-def _race_pick(dmin: torch.Tensor, e: torch.Tensor, first: bool) -> torch.Tensor:
-    """One draw of the exponential race. ``dmin`` holds D_n >= 0 for available candidates and
-    -1 for chosen/excluded ones. Score: D/E where D > 0; -E where D == 0 (only wins when no
-    candidate has D > 0: then the draw is uniform over the tied ones); -inf when unavailable.
-    On the first step every available candidate scores -E: a uniform draw."""
-    avail = dmin >= 0
-    if first:
-        score = -e
+def _check_factors(alpha, beta, beta_c=None, sqn=None):
+    """kmeanspp's factor arguments: alpha [N, a], beta [N, b], beta_c [N, b] or None, sqn [N]
+    or None, all on one device."""
+    if alpha.dim() != 2 or beta.dim() != 2 or alpha.shape[0] != beta.shape[0]:
+        raise ValueError(
+            f"kmeanspp: alpha [N, a] and beta [N, b] must share N; got {tuple(alpha.shape)} and "
+            f"{tuple(beta.shape)}"
+        )
+    if beta_c is not None and beta_c.shape != beta.shape:
+        raise ValueError(f"kmeanspp: beta_c must have beta's shape {tuple(beta.shape)}, got "
+                         f"{tuple(beta_c.shape)}")
+    if sqn is not None and tuple(sqn.shape) != tuple(alpha.shape[:1]):
+        raise ValueError(f"kmeanspp: sqn must be [{alpha.shape[0]}] (|g_n|^2), got "
+                         f"{tuple(sqn.shape)}")
+    devs = {t.device for t in (alpha, beta, beta_c, sqn) if t is not None}
+    if len(devs) > 1:
+        raise ValueError("kmeanspp: alpha, beta, beta_c and sqn must be on one device; got "
+                         f"{sorted(map(str, devs))}")
+
+
+# On CPU the k steps run in numpy, on views of the same memory, with not one torch op inside the
+# loop: OpenBLAS's matrix-vector products stream the pool at close to memory bandwidth on
+# 2 threads, and numpy's single-threaded element-wise ops on the [N] vectors need no thread
+# wake-ups. On 2 cores the same loop in eager torch (MKL's products, an OpenMP fork/join for
+# every [N] op) was 2-2.5x slower, and torch ops between OpenBLAS calls (their idle threads
+# spinning) cost more still. Other devices run the loop in torch. Tests switch this off to check
+# that both draw the same picks.
+_NUMPY_ON_CPU = True
+
+
+def _host(*tensors):
+    """numpy views of CPU tensors when the k steps run in numpy; the tensors otherwise."""
+    if _NUMPY_ON_CPU and tensors[0].device.type == "cpu":
+        return tuple(t.detach().numpy() for t in tensors)
+    return tensors
+
+
+def _fmix32_np(x: np.ndarray) -> np.ndarray:
+    """murmur3 fmix32, in place on a uint32 array (numpy wraps and shifts logically)."""
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_C1)
+    x ^= x >> np.uint32(13)
+    x *= np.uint32(_C2)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def _uniform_steps_np(seed: int, step0: int, steps: int, n: int) -> np.ndarray:
+    """``uniform_hash_steps`` in numpy (uint32 arithmetic), the same bits: fp32 [steps, N]."""
+    keys = np.array([step_key(seed, t) for t in range(step0, step0 + steps)], np.uint32)[:, None]
+    h = _fmix32_np(np.arange(n, dtype=np.uint32)[None, :] ^ keys)  # [S, N]
+    h += keys
+    h = _fmix32_np(h) >> np.uint32(9)
+    u = h.astype(np.float32)
+    u += np.float32(0.5)
+    u *= np.float32(2.0**-23)
+    return u
+
+
+def _kmeanspp_loop(k, seed, unavailable, sqn, cross_to):
+    """k-means++ seeding by the exponential race, for any distance of the form
+    d(n, c) = max(sqn_n + sqn_c - 2 cross_to(c)_n, 0); ``cross_to`` takes a centre index and
+    works on the arrays ``_host`` gives for this device (numpy for CPU tensors).
+
+    D [N] fp32 holds min_c d(n, c) for available candidates and -inf for chosen or
+    ``unavailable`` ones (the contract's "D = -1": never drawn). Step t scores
+        -E_n (t = 0: a uniform draw) | D_n / E_n if D_n > 0 | -E_n if D_n == 0 | -inf if taken
+    with E_n = -log U(seed, t, n) > 0, and draws the argmax (first index on ties). The uniforms
+    of _RNG_STEPS steps are generated at once (one vectorised hash pass per block). Returns the
+    picks, long [k] on sqn's device."""
+    device, n = sqn.device, sqn.shape[0]
+    inf = float("inf")
+    dmin = torch.full_like(sqn, inf).masked_fill_(unavailable, -inf)  # [N]
+    sqn, dmin = _host(sqn, dmin)
+    if isinstance(dmin, np.ndarray):
+        xp = np
+
+        def log_u(step0, steps):
+            return np.log(_uniform_steps_np(seed, step0, steps, n))
+
+        def clamp0(d):
+            return np.maximum(d, 0.0, out=d)
     else:
-        score = torch.where(dmin > 0, dmin / e, -e)
-    score = torch.where(avail, score, torch.full_like(score, float("-inf")))
-    return score.argmax()  # first index on ties
+        xp = torch
 
+        def log_u(step0, steps):
+            return uniform_hash_steps(seed, step0, steps, n, device=device).log_()
 
-def _kmeanspp_loop(n, k, seed, exclude, device, dist_to):
-    dmin = torch.full((n,), float("inf"), device=device, dtype=torch.float32)  # [N]
-    if exclude is not None:
-        dmin = torch.where(exclude.to(device), torch.full_like(dmin, -1.0), dmin)
-    picks = torch.empty(k, dtype=torch.long, device=device)
-    for step in range(k):
-        c = _race_pick(dmin, _exp1(seed, step, n, device), first=(step == 0))
-        picks[step] = c
-        d = dist_to(c)  # [N], squared distance to the new centre, clamped at 0
-        dmin = torch.where(dmin >= 0, torch.minimum(dmin, d), dmin)
-        dmin = dmin.index_fill(0, c.reshape(1), -1.0)
-    return picks
+        def clamp0(d):
+            return d.clamp_min_(0.0)
+
+    picks = []
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf rows: never drawn anyway
+        for step in range(k):
+            if step % _RNG_STEPS == 0:
+                neg_e = log_u(step, min(_RNG_STEPS, k - step))  # -E [S, N]
+                e = -neg_e
+            j = step % _RNG_STEPS
+            if step == 0:
+                score = xp.where(dmin > 0, neg_e[j], dmin)  # -E, or -inf where unavailable
+            else:  # D/E: 0 where D == 0 (replaced by -E), -inf where taken
+                score = xp.where(dmin == 0, neg_e[j], dmin / e[j])
+            c = score.argmax()  # first index on ties; a 0-dim tensor in torch (no host sync)
+            picks.append(c)
+            if step == k - 1:
+                break
+            d = sqn + sqn[c]  # [N]
+            d -= 2.0 * cross_to(c)  # 2x is exact: rounds as sqn_n + sqn_c - 2 cross
+            xp.fmin(dmin, clamp0(d), out=dmin)  # -inf stays (a NaN d never replaces D)
+            dmin[c] = -inf
+    if xp is np:
+        return torch.from_numpy(np.stack(picks).astype(np.int64))
+    return torch.stack(picks)
 
 
 def kmeanspp(
@@ -282,26 +483,41 @@ def kmeanspp(
     seed: int,
     exclude: torch.Tensor | None = None,  # bool [N]
     validate: bool = True,
+    beta_c: torch.Tensor | None = None,  # [N, b] centre-side factor (head view's Gram route)
+    sqn: torch.Tensor | None = None,  # [N] |g_n|^2, if the caller has it
 ) -> torch.Tensor:
-    """k distinct indices (long [k]) by k-means++ seeding over g_n = alpha_n (x) beta_n, with
-    factored fp32 distances and the exponential-race D^2 draw. Excluded indices are never
-    chosen. Deterministic per seed. ``validate=False`` skips the eligible-count check (and
-    its host sync); the caller then guarantees k <= eligible."""
-    if alpha.dim() != 2 or beta.dim() != 2 or alpha.shape[0] != beta.shape[0]:
-        raise ValueError(
-            f"kmeanspp: alpha [N, a] and beta [N, b] must share N; got {tuple(alpha.shape)} and "
-            f"{tuple(beta.shape)}"
-        )
-    n = alpha.shape[0]
-    _check_kmeanspp_args(n, k, exclude, alpha.device, validate)
+    """k distinct indices (long [k]) by k-means++ seeding over g_n = alpha_n (x) beta_n with
+    factored fp32 distances
+
+        d(n, c) = max(sqn_n + sqn_c - 2 (a_n . a_c)(b_n . bc_c), 0)
+
+    where bc = ``beta_c`` if given (an asymmetric centre-side factor of beta's shape, see
+    ``select_factors``) else beta, and sqn defaults to |a_n|^2 (b_n . bc_n); and the
+    exponential-race D^2 draw. Excluded candidates, and those whose sqn_n is not finite (NaN or
+    Inf), are never chosen. Deterministic per seed. Factors of any float dtype, math in fp32.
+    ``validate=False`` skips the eligible-count check (and its host sync); the caller then
+    guarantees k <= eligible (not excluded, finite sqn)."""
+    _check_factors(alpha, beta, beta_c, sqn)
     a, b = alpha.float(), beta.float()
-    sq = (a * a).sum(1) * (b * b).sum(1)  # [N]  |g_n|^2
+    bc = b if beta_c is None else beta_c.float()
+    sqn = _sqnorm(a, b, bc) if sqn is None else sqn.float()  # [N]
+    unavailable = _unavailable(sqn, exclude, k, validate)
+    # One pass over the pool per step (a+b floats per candidate): two matrix-vector products.
+    a, b, bc = _host(a, b, bc)
 
-    def dist_to(c):
-        cross = (a @ a[c]) * (b @ b[c])  # [N]
-        return (sq + sq[c] - 2.0 * cross).clamp_min(0.0)
+    def cross_to(c):
+        return (a @ a[c]) * (b @ bc[c])  # [N]  (a_n . a_c)(b_n . bc_c)
 
-    return _kmeanspp_loop(n, k, seed, exclude, alpha.device, dist_to)
+    return _kmeanspp_loop(k, seed, unavailable, sqn, cross_to)
+
+
+def _unavailable(sqn, exclude, k, validate) -> torch.Tensor:
+    """bool [N]: excluded or non-finite |g_n|^2 (never drawn); checks k against the rest."""
+    nonfinite = ~torch.isfinite(sqn)  # [N]
+    _check_kmeanspp_args(sqn.shape[0], k, exclude, sqn.device, validate, nonfinite=nonfinite)
+    if exclude is None:
+        return nonfinite
+    return nonfinite | exclude.to(device=sqn.device, dtype=torch.bool)
 
 
 def kmeanspp_dense(
@@ -312,16 +528,32 @@ def kmeanspp_dense(
     exclude: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """The same seeding (same RNG, same rules) over materialised vectors: the baseline that the
-    factored path is measured against, and a check of the factored algebra."""
+    """The same seeding (same RNG, same rules, non-finite |x_n|^2 never drawn) over
+    materialised vectors: the baseline that the factored path is measured against, and a check
+    of the factored algebra."""
     if x.dim() != 2:
         raise ValueError(f"kmeanspp_dense: x must be [N, D], got {tuple(x.shape)}")
-    n = x.shape[0]
-    _check_kmeanspp_args(n, k, exclude, x.device, validate)
     xf = x.float()
-    sq = (xf * xf).sum(1)
+    sq = (xf * xf).sum(1)  # [N]
+    unavailable = _unavailable(sq, exclude, k, validate)
+    (xh,) = _host(xf)
+    return _kmeanspp_loop(k, seed, unavailable, sq, lambda c: xh @ xh[c])
 
-    def dist_to(c):
-        return (sq + sq[c] - 2.0 * (xf @ xf[c])).clamp_min(0.0)
 
-    return _kmeanspp_loop(n, k, seed, exclude, x.device, dist_to)
+def select(
+    keys: torch.Tensor,  # [N, d]
+    queries: torch.Tensor,  # [M, d]
+    feats: torch.Tensor | None,  # [M, d_h] (head view)
+    k: int,
+    *,
+    seed: int,
+    tau: float = 1.0,
+    view: str = "head",
+    exclude: torch.Tensor | None = None,  # bool [N]
+    validate: bool = True,
+) -> torch.Tensor:
+    """The reference selection of one dictionary: ``select_factors`` + ``kmeanspp``. Returns k
+    distinct long indices into ``keys``."""
+    alpha, beta, beta_c, sqn = select_factors(keys, queries, feats, tau=tau, view=view)
+    return kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                    beta_c=beta_c, sqn=sqn)

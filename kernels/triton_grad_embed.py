@@ -8,15 +8,21 @@ For a tile of BLOCK_N candidate keys, everything stays on chip:
     view "queries":  alpha = r,  beta = K / tau
     view "head":     alpha = K,  beta = r F / tau      (second on-chip tl.dot over d_h chunks;
                                                         F = H, or R_H^T when compress=True)
+    view "head", Gram route (the selection path when d_h > M, M <= GRAM_MAX_M; no QR):
+                     alpha = K,  beta = r / tau,  beta_c = r G / tau     with G = H H^T [M, M]
+                     so beta_n . beta_c_c = (r_n H) . (r_c H) / tau^2  (kernels/reference.py)
 
-plus sqn_n = |alpha_n|^2 |beta_n|^2 (the squared norm of g_n = alpha_n (x) beta_n, used by
-k-means++). Each key is read once. Inputs may be fp32/fp16/bf16: every load is cast to fp32
-before any arithmetic. Any N (masked tail), 1 <= M <= MAX_M (the whole softmax row lives in one
-tile), d and d_h of any size (chunked loops, masked).
+plus sqn_n = |g_n|^2 (alpha_n . alpha_n)(beta_n . beta_c_n), used by k-means++. Each key is read
+once. Inputs may be fp32/fp16/bf16: every load is cast to fp32 before any arithmetic; outputs
+are stored fp32 or bf16 (the output buffers' dtype), and sqn is computed from the stored values.
+Any N (masked tail; the valid count may be read from device memory, so one launch shape serves
+a growing pool), 1 <= M <= MAX_M (the whole softmax row lives in one tile), d and d_h of any
+size (chunked loops, masked).
 
-tl.dot precision: CMACC_DOT_PRECISION = ieee (default: true fp32 products, ~1e-6 relative to
-the reference) | tf32x3 (NVIDIA tensor cores, ~fp32 accuracy) | tf32 (fastest, ~1e-3 relative;
-may flip near-tied pseudo-labels).
+tl.dot precision (``precision=`` or CMACC_DOT_PRECISION): ieee (default: true fp32 products,
+~1e-6 relative to the reference) | tf32x3 (NVIDIA tensor cores, ~fp32 accuracy, faster) | tf32
+(fastest, ~1e-3 relative; may flip near-tied pseudo-labels). The precision is a compile-time
+constant and part of the autotuning key. Compiled with ``enable_fp_fusion=False``.
 """
 
 from __future__ import annotations
@@ -29,20 +35,25 @@ import triton.language as tl
 
 from . import reference
 
-__all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "MAX_M", "INTERPRETED"]
+__all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "embed_into", "precision_of",
+           "MAX_M", "GRAM_MAX_M", "PRECISIONS", "INTERPRETED"]
 
 MAX_M = 256
-_PRECISIONS = ("ieee", "tf32x3", "tf32")
+GRAM_MAX_M = 128  # the Gram route holds G [M, M] in one tile
+PRECISIONS = ("ieee", "tf32x3", "tf32")
 # Triton picks the interpreter or the compiler when a kernel below is defined (TRITON_INTERPRET
 # at import); the host code follows that choice, not the variable's value at call time.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _precision() -> str:
-    """input_precision of the fp32 tl.dot calls (module docstring)."""
-    choice = os.environ.get("CMACC_DOT_PRECISION", "ieee").strip().lower() or "ieee"
-    if choice not in _PRECISIONS:
-        raise ValueError(f"CMACC_DOT_PRECISION={choice!r} is not one of {_PRECISIONS}")
+def precision_of(precision: str | None = None) -> str:
+    """input_precision of the fp32 tl.dot calls: ``precision``, else CMACC_DOT_PRECISION, else
+    ieee (module docstring). The interpreter computes in fp32 whatever is asked: ieee there."""
+    choice = precision if precision is not None else (
+        os.environ.get("CMACC_DOT_PRECISION", "ieee").strip().lower() or "ieee")
+    if choice not in PRECISIONS:
+        src = "precision" if precision is not None else "CMACC_DOT_PRECISION"
+        raise ValueError(f"{src}={choice!r} is not one of {PRECISIONS}")
     return "ieee" if INTERPRETED else choice
 
 
@@ -66,27 +77,34 @@ def _prune_configs(configs, named_args, **kwargs):
     return kept or [c for c in configs if c.kwargs["BLOCK_N"] == 16][:1] or configs[:1]
 
 
-@triton.autotune(configs=_grad_embed_configs(), key=["M", "D", "DH", "HEAD"],
+@triton.autotune(configs=_grad_embed_configs(), key=["M", "D", "DH", "HEAD", "GRAM", "PRECISION"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _grad_embed_kernel(
-    k_ptr, q_ptr, f_ptr, alpha_ptr, beta_ptr, sqn_ptr,
-    N, M, D, DH, tau,
+    k_ptr, q_ptr, f_ptr, alpha_ptr, beta_ptr, betac_ptr, sqn_ptr, n_ptr,
+    CAP, M, D, DH, tau,
     stride_kn, stride_kd, stride_qm, stride_qd, stride_fm, stride_fh,
-    stride_an, stride_bn,
-    HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+    stride_an, stride_bn, stride_bcn,
+    HEAD: tl.constexpr, GRAM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    # One tile of candidates n (rows), all M pseudo-labels j (columns):
+    # One tile of candidates n (rows, n < n_valid <= CAP), all M pseudo-labels j (columns):
     #   s_nj = k_n . q_j / tau;  p_n = softmax_j(s_n);  yhat_n = argmax_j s_nj;  r_n = p_n - e_yhat
-    #   HEAD:     alpha_n = k_n,  beta_n = r_n F / tau      sqn_n = |k_n|^2 |beta_n|^2
-    #   queries:  alpha_n = r_n,  beta_n = k_n / tau        sqn_n = |r_n|^2 |k_n|^2 / tau^2
+    #   HEAD:        alpha_n = k_n,  beta_n = r_n F / tau            sqn_n = |k_n|^2 |beta_n|^2
+    #   HEAD, GRAM:  alpha_n = k_n,  beta_n = r_n / tau,  betac_n = r_n G / tau  (F = G = H H^T)
+    #                                                               sqn_n = |k_n|^2 beta_n.betac_n
+    #   queries:     alpha_n = r_n,  beta_n = k_n / tau              sqn_n = |r_n|^2 |k_n|^2 / tau^2
+    # Outputs are stored in the pointers' dtype (fp32 or bf16); sqn is computed from the stored
+    # (rounded) values so that d(n, n) = 0 in the k-means++ algebra.
     pid = tl.program_id(0)
+    n_valid = tl.minimum(tl.load(n_ptr), CAP)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate rows
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M] pseudo-labels (queries)
-    mask_n = offs_n < N
+    mask_n = offs_n < n_valid
     mask_m = offs_m < M
     offs_n64 = offs_n.to(tl.int64)  # row offsets of big pools in 64 bits
+    a_ty = alpha_ptr.dtype.element_ty
+    b_ty = beta_ptr.dtype.element_ty
 
     # -- logits s = K Q^T / tau over d in chunks; the key tile is also alpha (HEAD) or beta ------
     s = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -99,12 +117,14 @@ def _grad_embed_kernel(
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                     mask=mask_m[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
         s += tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-        k_sq += tl.sum(k * k, axis=1)
-        if HEAD:  # alpha = k, an fp32 copy
-            tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_d[None, :], k, mask=mask_nd)
+        if HEAD:  # alpha = k
+            ks = k.to(a_ty)
+            tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_d[None, :], ks, mask=mask_nd)
         else:  # beta = k / tau
-            tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_d[None, :],
-                     tl.math.div_rn(k, tau), mask=mask_nd)
+            ks = tl.math.div_rn(k, tau).to(b_ty)
+            tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_d[None, :], ks, mask=mask_nd)
+        ks = ks.to(tl.float32)
+        k_sq += tl.sum(ks * ks, axis=1)
     s = tl.math.div_rn(s, tau)
     s = tl.where(mask_m[None, :], s, float("-inf"))
 
@@ -115,24 +135,37 @@ def _grad_embed_kernel(
     yhat = tl.argmax(s, axis=1, tie_break_left=True)  # [BLOCK_N]
     r = p - tl.where(offs_m[None, :] == yhat[:, None], 1.0, 0.0)
     r = tl.where(mask_m[None, :], r, 0.0)  # [BLOCK_N, BLOCK_M]
+    mask_nm = mask_n[:, None] & mask_m[None, :]
 
-    if HEAD:
-        # -- beta = r F / tau over d_h in chunks (F: [M, d_h] or [M, M] compressed) ----------
+    if HEAD and GRAM:
+        # -- beta = r / tau;  betac = r G / tau  (G = H H^T [M, M], one [BLOCK_M, BLOCK_M] tile:
+        #    the host takes this route only for M <= GRAM_MAX_M) --------------------------------
+        beta = tl.math.div_rn(r, tau).to(b_ty)
+        tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_m[None, :], beta, mask=mask_nm)
+        g = tl.load(f_ptr + offs_m[:, None] * stride_fm + offs_m[None, :] * stride_fh,
+                    mask=mask_m[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+        bc = tl.math.div_rn(tl.dot(r, g, input_precision=PRECISION), tau).to(b_ty)
+        tl.store(betac_ptr + offs_n64[:, None] * stride_bcn + offs_m[None, :], bc, mask=mask_nm)
+        sqn = k_sq * tl.sum(beta.to(tl.float32) * bc.to(tl.float32), axis=1)
+    elif HEAD:
+        # -- beta = r F / tau over d_h in chunks (F: H [M, d_h], or R_H^T when compressed) ----
         b_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for h0 in range(0, DH, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             mask_h = offs_h < DH
             f = tl.load(f_ptr + offs_m[:, None] * stride_fm + offs_h[None, :] * stride_fh,
                         mask=mask_m[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
-            beta = tl.math.div_rn(tl.dot(r, f, input_precision=PRECISION), tau)
+            beta = tl.math.div_rn(tl.dot(r, f, input_precision=PRECISION), tau).to(b_ty)
             tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_h[None, :], beta,
                      mask=mask_n[:, None] & mask_h[None, :])
+            beta = beta.to(tl.float32)
             b_sq += tl.sum(beta * beta, axis=1)
         sqn = k_sq * b_sq
     else:
-        tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_m[None, :], r,
-                 mask=mask_n[:, None] & mask_m[None, :])
-        sqn = tl.sum(r * r, axis=1) * (k_sq / (tau * tau))
+        ra = r.to(a_ty)
+        tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_m[None, :], ra, mask=mask_nm)
+        ra = ra.to(tl.float32)
+        sqn = tl.sum(ra * ra, axis=1) * k_sq
     tl.store(sqn_ptr + offs_n, sqn, mask=mask_n)
 
 
@@ -143,6 +176,37 @@ def _check_devices(keys, queries, feats):
                          f"got {sorted(str(d) for d in devs)}")
 
 
+def embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, *, tau, view, gram,
+               precision):
+    """Launch the kernel into given buffers (the capacity-shaped ones of kernels/triton_select.py,
+    or per-call ones): rows n < min(n_t[0], cap) of alpha [cap, a], beta / beta_c [cap, b] and
+    sqn [cap] are written; f is H (or R_H^T) for the head view, G = H H^T for the Gram route,
+    unused for the queries view. n_t: int32 [1] on the device (no host sync, graph-capturable)."""
+    cap, d = keys.shape
+    m = queries.shape[0]
+    head = view == "head"
+    dh = f.shape[1]
+    bc = beta if beta_c is None else beta_c
+    block_d = 128 if INTERPRETED else 64
+    grid = lambda meta: (triton.cdiv(cap, meta["BLOCK_N"]),)  # noqa: E731
+    _grad_embed_kernel[grid](
+        keys, queries, f, alpha, beta, bc, sqn, n_t,
+        cap, m, d, dh, float(tau),
+        keys.stride(0), keys.stride(1), queries.stride(0), queries.stride(1),
+        f.stride(0), f.stride(1), alpha.stride(0), beta.stride(0), bc.stride(0),
+        HEAD=head, GRAM=gram, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_D=max(16, min(block_d, triton.next_power_of_2(d))),
+        BLOCK_H=max(16, min(block_d, triton.next_power_of_2(dh))),
+        PRECISION=precision_of(precision), enable_fp_fusion=False,
+    )
+
+
+def check_m(m: int) -> None:
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"grad_embed (triton): M={m} pseudo-labels (queries) must be in "
+                         f"[1, {MAX_M}]; use CMACC_KERNELS=reference for larger batches")
+
+
 def grad_embed_triton_with_norms(
     keys: torch.Tensor,  # [N, d]
     queries: torch.Tensor,  # [M, d]
@@ -151,17 +215,16 @@ def grad_embed_triton_with_norms(
     tau: float = 1.0,
     view: str = "head",
     compress: bool = False,
+    precision: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(alpha [N, a], beta [N, b], sqn [N]) fp32 with sqn_n = |alpha_n|^2 |beta_n|^2.
-    ``compress=True`` (head view): beta in the row space of H (reference.row_space_factor,
-    an M x M torch QR on the host side, no synchronisation), b = min(M, d_h)."""
+    ``compress=True`` (head view): beta in the row space of H (reference.row_space_factor, a
+    QR: for analysis; the selection path uses the Gram route of kernels/triton_select.py)."""
     reference._check_grad_embed_args(keys, queries, feats, tau, view)
     _check_devices(keys, queries, feats)
     n, d = keys.shape
     m = queries.shape[0]
-    if not 1 <= m <= MAX_M:
-        raise ValueError(f"grad_embed (triton): M={m} pseudo-labels (queries) must be in "
-                         f"[1, {MAX_M}]; use CMACC_KERNELS=reference for larger batches")
+    check_m(m)
     head = view == "head"
     if head:
         f = reference.row_space_factor(feats) if compress else feats  # [M, d_h or M]
@@ -174,23 +237,15 @@ def grad_embed_triton_with_norms(
     sqn = torch.empty(n, device=dev, dtype=torch.float32)  # [N]
     if n == 0:
         return alpha, beta, sqn
-    block_d = 128 if INTERPRETED else 64
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _grad_embed_kernel[grid](
-        keys, queries, f, alpha, beta, sqn,
-        n, m, d, dh, float(tau),
-        keys.stride(0), keys.stride(1), queries.stride(0), queries.stride(1),
-        f.stride(0), f.stride(1), alpha.stride(0), beta.stride(0),
-        HEAD=head, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_D=max(16, min(block_d, triton.next_power_of_2(d))),
-        BLOCK_H=max(16, min(block_d, triton.next_power_of_2(dh))),
-        PRECISION=_precision(),
-    )
+    n_t = torch.full((1,), n, dtype=torch.int32, device=dev)
+    embed_into(keys, queries, f, alpha, beta, None, sqn, n_t, tau=tau, view=view, gram=False,
+               precision=precision)
     return alpha, beta, sqn
 
 
-def grad_embed_triton(keys, queries, feats=None, *, tau=1.0, view="head", compress=False):
+def grad_embed_triton(keys, queries, feats=None, *, tau=1.0, view="head", compress=False,
+                      precision=None):
     """Drop-in for ``reference.grad_embed``: (alpha [N, a], beta [N, b]), fp32."""
     alpha, beta, _ = grad_embed_triton_with_norms(keys, queries, feats, tau=tau, view=view,
-                                                  compress=compress)
+                                                  compress=compress, precision=precision)
     return alpha, beta

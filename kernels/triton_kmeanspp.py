@@ -1,39 +1,38 @@
 """Fused k-means++ seeding (DESIGN.md §1 steps 4-5) over factored embeddings g = alpha (x) beta.
 
-State on the device: D [N] fp32 (min squared distance to the chosen centres; -1 marks chosen
-or excluded candidates), picks [k] and two ping-pong buffers of per-block partials. Step t is
-ONE launch of ``_kmeanspp_step_kernel`` (grid over BLOCK_N candidate rows), with no host
-synchronisation anywhere in the k steps:
+Distances use the factored algebra with an optional centre-side factor beta_c (the head view's
+Gram route, kernels/reference.py ``select_factors``; beta_c = beta otherwise):
 
-  1. (t > 0) finish step t-1's draw: every program reduces the P per-block partials of step
-     t-1 to the same centre c (largest score, smallest index on ties); program 0 stores
-     picks[t-1] = c.
-  2. (t > 0) min-distance update against c, from the factored algebra:
-        D_n <- min(D_n, |a_n|^2|b_n|^2 + |a_c|^2|b_c|^2 - 2 (a_n . a_c)(b_n . b_c))   (>= 0)
-        D_c <- -1
-  3. exponential race:  E_n = -log U(seed, t, n)  with U the integer hash of
-     kernels/reference.py, bit for bit, and
-        score_n = D_n / E_n  if D_n > 0;   -E_n  if D_n == 0 (or t == 0: a uniform draw);
-                  -inf       if D_n < 0 (chosen / excluded: never drawn)
-     each program writes its block's (max score, first index reaching it) to partials[t % 2].
+    ||g_n - g_c||^2 = sqn_n + sqn_c - 2 (a_n . a_c)(b_n . bc_c)        sqn_n = |g_n|^2
 
-A last one-program launch (``_kmeanspp_pick_kernel``) reduces the partials of step k-1. So the
-k steps are k + 1 launches whose sequence depends only on the shape: on CUDA they are captured
-once per shape in a CUDA graph and replayed (the seed lives in device memory, so one graph
-serves every seed). The argmax of D_n / E_n with E_n ~ Exp(1) is a draw with probability
-D_n / sum D (the exponential race), so the seeding law is exactly k-means++'s.
+State on the device, sized by the pool's CAPACITY (rows >= n, the valid count read from device
+memory, are never drawn): D [cap] fp32 (min squared distance to the chosen centres; -1 marks a
+chosen, excluded, padding or non-finite candidate), picks [k] and two ping-pong buffers of
+per-block partials. Two variants of the k steps:
 
-Determinism: every reduction that decides a pick is a max/min over values, never a float
-atomic, and ties resolve to the smallest global index exactly as ``torch.argmax`` does.
-Agreement with ``reference.kmeanspp`` is index-for-index: U is bit-identical; E, D and D/E are
-fp32 values computed by different (correctly rounded to ~1 ulp) log, dot-product and division
-routines, so two candidates whose scores agree to ~1e-7 relative could in principle order
-differently -- the tests below check equality on thousands of draws.
+* ``steps`` (any GPU, the interpreter, the fallback): step t is ONE launch of
+  ``_kmeanspp_step_kernel`` over BLOCK_N-row blocks, k + 1 launches per seeding:
+    1. prefetch this block's first factor chunks, |g_n|^2 and D_n (independent of the centre);
+    2. (t > 0) finish step t-1's draw: every program reduces the P partials of step t-1 to
+       the same centre c (largest score, smallest index on ties); program 0 stores picks[t-1];
+    3. (t > 0) D_n <- min(D_n, d(n, c)) (clamped >= 0), D_c <- -1;  (t = 0) D_n <- +inf, or -1
+       if n >= n_valid, excluded, or |g_n|^2 is not finite (NaN / Inf: never drawn);
+    4. exponential race E_n = -log U(seed, t, n), U the integer hash of kernels/reference.py
+       bit for bit:  score_n = D_n / E_n if D_n > 0;  -E_n if D_n == 0 (or t == 0: a uniform
+       draw);  -inf if D_n < 0. Each program writes (max score, first index) to partials[t % 2].
+  A last one-program launch (``_kmeanspp_pick_kernel``) reduces step k-1's partials.
+* ``persistent`` (CUDA only): ONE cooperative launch of ``_kmeanspp_persistent_kernel``, one
+  program per SM looping over its blocks, a grid-wide barrier (an atomic counter) between steps.
+  The interpreter runs programs one after another, so a barrier would hang there: this variant
+  is never run under TRITON_INTERPRET=1 (kernels/triton_select.py picks ``steps`` there).
 
-The interpreter (TRITON_INTERPRET=1) runs the same per-step kernels; a persistent
-single-kernel variant (one grid-wide barrier per step) is deliberately not offered: the
-interpreter runs programs one after another, so a grid barrier would hang there, and it could
-not be tested on CPU.
+The argmax of D_n / E_n with E_n ~ Exp(1) is a draw with probability D_n / sum D (the
+exponential race), so the law is exactly k-means++'s. Every reduction that decides a pick is a
+max/min over values, never a float atomic; ties go to the smallest index as ``torch.argmax``.
+The kernels are compiled with ``enable_fp_fusion=False``: no multiply-add contraction, so the
+element-wise arithmetic rounds as PyTorch's eager ops do. Dot products still sum in a different
+order than the reference's matrix-vector products, so two scores equal to ~1e-7 relative could
+order differently; the tests check index equality on thousands of draws.
 """
 
 from __future__ import annotations
@@ -46,9 +45,12 @@ import triton.language as tl
 
 from . import reference
 
-__all__ = ["kmeanspp_triton", "uniform_hash_triton", "INTERPRETED"]
+__all__ = ["kmeanspp_triton", "uniform_hash_triton", "launch_seeding", "seeding_config",
+           "INTERPRETED", "VARIANTS"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton saw it at definition
+VARIANTS = ("steps", "persistent")
+NO_FMA = dict(enable_fp_fusion=False)  # launch option: no contraction into FMAs (parity)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,7 +59,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton saw it
 @triton.jit
 def _fmix32(x):
     # murmur3 finaliser on uint32: the literals are > 2^31, so Triton types them uint32 and
-    # the multiplies wrap mod 2^32 (reference._fmix32_t does the same on int64 with masks)
+    # the multiplies wrap mod 2^32, as the reference's uint32 arithmetic
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
@@ -69,12 +71,12 @@ def _fmix32(x):
 @triton.jit
 def _uniform(seed, t, offs_n):
     # key = fmix(seed32 ^ fmix(t * golden + 1));  h = fmix(fmix(n ^ key) + key)
-    # U = ((h >> 8) + 0.5) * 2^-24  in (0, 1), exactly representable in fp32
+    # U = ((h >> 9) + 0.5) * 2^-23  in [2^-24, 1 - 2^-24]: every value exact in fp32, never 1.0
     tk = tl.cast(t, tl.uint32) * 0x9E3779B9 + 1
     key = _fmix32(seed ^ _fmix32(tk))
     h = _fmix32(offs_n.to(tl.uint32) ^ key)
     h = _fmix32(h + key)
-    return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
 
 
 @triton.jit(do_not_specialize=["t"])
@@ -96,7 +98,7 @@ def uniform_hash_triton(seed: int, step: int, n: int, device=None) -> torch.Tens
 
 
 # ----------------------------------------------------------------------------------------------
-# The k-means++ step
+# One block of one step (shared by both variants)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _best_of_partials(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
@@ -110,63 +112,95 @@ def _best_of_partials(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
     return tl.min(tl.where(mask_p & (score == best), idx, 2147483647), axis=0)
 
 
-@triton.jit(do_not_specialize=["t"])
-def _kmeanspp_step_kernel(
-    a_ptr, b_ptr, sqn_ptr, dmin_ptr, picks_ptr, seed_ptr, part_score_ptr, part_idx_ptr,
-    N, A, B, P, t,
-    stride_an, stride_bn,
-    FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+@triton.jit
+def _dot_chunk(x_ptr, stride_xn, offs_n64, mask_n, c, x0, X, BLOCK_X: tl.constexpr):
+    # sum_j x[n, x0 + j] * xc[c, x0 + j] over one column chunk -> [BLOCK_N] fp32
+    offs_x = x0 + tl.arange(0, BLOCK_X)
+    mask_x = offs_x < X
+    x = tl.load(x_ptr + offs_n64[:, None] * stride_xn + offs_x[None, :],
+                mask=mask_n[:, None] & mask_x[None, :], other=0.0).to(tl.float32)
+    xc = tl.load(x_ptr + c * stride_xn + offs_x, mask=mask_x, other=0.0).to(tl.float32)
+    return tl.sum(x * xc[None, :], axis=1)
+
+
+@triton.jit
+def _step_block(
+    a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, seed, n_valid, c, t, offs_n,
+    A, B, stride_an, stride_bn, stride_bcn,
+    FIRST, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    # Step t of k-means++ (module docstring):
-    #   c = argmax over step t-1's partials;  picks[t-1] = c
-    #   D_n = min(D_n, |g_n|^2 + |g_c|^2 - 2 (a_n . a_c)(b_n . b_c))  (clamped >= 0);  D_c = -1
-    #   score_n = D_n / E_n (D_n > 0) | -E_n (D_n == 0 or t == 0) | -inf (D_n < 0)
-    #   partials[t % 2][pid] = (max_n score_n, first n reaching it)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate rows
-    mask_n = offs_n < N
-    dmin = tl.load(dmin_ptr + offs_n, mask=mask_n, other=-1.0)  # [BLOCK_N]
-
-    if not FIRST:
-        # -- finish step t-1's draw (every program computes the same c) ----------------------
-        prev = ((t - 1) % 2) * P
-        c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, P, BLOCK_P)
-        tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
-        c = c.to(tl.int64)  # row offsets below in 64 bits
-
-        # -- min-distance update against the newest centre c ---------------------------------
-        dot_a = tl.zeros((BLOCK_N,), dtype=tl.float32)  # a_n . a_c
-        for a0 in range(0, A, BLOCK_A):
-            offs_a = a0 + tl.arange(0, BLOCK_A)
-            mask_a = offs_a < A
-            x = tl.load(a_ptr + offs_n[:, None] * stride_an + offs_a[None, :],
-                        mask=mask_n[:, None] & mask_a[None, :], other=0.0).to(tl.float32)
-            xc = tl.load(a_ptr + c * stride_an + offs_a, mask=mask_a, other=0.0).to(tl.float32)
-            dot_a += tl.sum(x * xc[None, :], axis=1)
-        dot_b = tl.zeros((BLOCK_N,), dtype=tl.float32)  # b_n . b_c
-        for b0 in range(0, B, BLOCK_B):
-            offs_b = b0 + tl.arange(0, BLOCK_B)
-            mask_b = offs_b < B
-            y = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_b[None, :],
-                        mask=mask_n[:, None] & mask_b[None, :], other=0.0).to(tl.float32)
-            yc = tl.load(b_ptr + c * stride_bn + offs_b, mask=mask_b, other=0.0).to(tl.float32)
-            dot_b += tl.sum(y * yc[None, :], axis=1)
-        sqn = tl.load(sqn_ptr + offs_n, mask=mask_n, other=0.0)  # |g_n|^2
+    # D update against centre c (t > 0) or the initial D (t == 0), then the race scores of
+    # this block. Returns (score [BLOCK_N]). c is int64; FIRST may be a runtime bool.
+    mask_n = offs_n < n_valid
+    offs_n64 = offs_n.to(tl.int64)
+    sqn = tl.load(sqn_ptr + offs_n, mask=mask_n, other=0.0)  # |g_n|^2
+    if FIRST:
+        excl = tl.load(excl_ptr + offs_n, mask=mask_n, other=1)
+        finite = sqn == sqn and tl.abs(sqn) < float("inf")
+        dmin = tl.where(mask_n & (excl == 0) & finite, float("inf"), -1.0)
+    else:
+        # first chunks issued before anything that needs the centre's row
+        offs_a = tl.arange(0, BLOCK_A)
+        offs_b = tl.arange(0, BLOCK_B)
+        x = tl.load(a_ptr + offs_n64[:, None] * stride_an + offs_a[None, :],
+                    mask=mask_n[:, None] & (offs_a < A)[None, :], other=0.0).to(tl.float32)
+        y = tl.load(b_ptr + offs_n64[:, None] * stride_bn + offs_b[None, :],
+                    mask=mask_n[:, None] & (offs_b < B)[None, :], other=0.0).to(tl.float32)
+        dmin = tl.load(dmin_ptr + offs_n, mask=mask_n, other=-1.0)
+        xc = tl.load(a_ptr + c * stride_an + offs_a, mask=offs_a < A, other=0.0).to(tl.float32)
+        yc = tl.load(bc_ptr + c * stride_bcn + offs_b, mask=offs_b < B,
+                     other=0.0).to(tl.float32)
+        dot_a = tl.sum(x * xc[None, :], axis=1)  # a_n . a_c
+        dot_b = tl.sum(y * yc[None, :], axis=1)  # b_n . bc_c
+        for a0 in range(BLOCK_A, A, BLOCK_A):  # wider factors: the remaining chunks
+            dot_a += _dot_chunk(a_ptr, stride_an, offs_n64, mask_n, c, a0, A, BLOCK_A)
+        for b0 in range(BLOCK_B, B, BLOCK_B):
+            offs_x = b0 + tl.arange(0, BLOCK_B)
+            mask_x = offs_x < B
+            yy = tl.load(b_ptr + offs_n64[:, None] * stride_bn + offs_x[None, :],
+                         mask=mask_n[:, None] & mask_x[None, :], other=0.0).to(tl.float32)
+            yyc = tl.load(bc_ptr + c * stride_bcn + offs_x, mask=mask_x,
+                          other=0.0).to(tl.float32)
+            dot_b += tl.sum(yy * yyc[None, :], axis=1)
         sqc = tl.load(sqn_ptr + c)  # |g_c|^2
         d = tl.maximum(sqn + sqc - 2.0 * (dot_a * dot_b), 0.0)
         dmin = tl.where(dmin >= 0, tl.minimum(dmin, d), dmin)
         dmin = tl.where(offs_n == c, -1.0, dmin)
-        tl.store(dmin_ptr + offs_n, dmin, mask=mask_n)
-
-    # -- exponential race ----------------------------------------------------------------
-    seed = tl.load(seed_ptr).to(tl.uint32)  # folded to 32 bits on the host (reference.seed32)
-    e = -tl.log(_uniform(seed, t, offs_n))  # E_n ~ Exp(1)
+    tl.store(dmin_ptr + offs_n, dmin, mask=mask_n)
+    e = -tl.log(_uniform(seed, t, offs_n))  # E_n ~ Exp(1), E_n > 0
     if FIRST:
         score = -e
     else:
         score = tl.where(dmin > 0, tl.math.div_rn(dmin, e), -e)  # IEEE division, as torch
-    score = tl.where((dmin >= 0) & mask_n, score, float("-inf"))
+    return tl.where((dmin >= 0) & mask_n, score, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Variant "steps": one launch per step
+# ----------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["t"])
+def _kmeanspp_step_kernel(
+    a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, n_ptr, picks_ptr, seed_ptr,
+    part_score_ptr, part_idx_ptr,
+    A, B, P, t,
+    stride_an, stride_bn, stride_bcn,
+    FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    # Step t (module docstring): c = argmax of step t-1's partials (t > 0), picks[t-1] = c;
+    # D update; race; partials[t % 2][pid] = (max score, first index reaching it)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate rows
+    n_valid = tl.load(n_ptr)
+    seed = tl.load(seed_ptr).to(tl.uint32)  # folded to 32 bits on the host (reference.seed32)
+    c = 0
+    if not FIRST:
+        prev = ((t - 1) % 2) * P
+        c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, P, BLOCK_P)
+        tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
+    score = _step_block(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, seed, n_valid,
+                        tl.cast(c, tl.int64), t, offs_n, A, B, stride_an, stride_bn, stride_bcn,
+                        FIRST, BLOCK_A, BLOCK_B)
     best = tl.max(score, axis=0)
     best_n = tl.argmax(score, axis=0, tie_break_left=True) + pid * BLOCK_N
     cur = (t % 2) * P
@@ -182,71 +216,134 @@ def _kmeanspp_pick_kernel(part_score_ptr, part_idx_ptr, picks_ptr, P, t, BLOCK_P
     tl.store(picks_ptr + t, c.to(tl.int64))
 
 
-def _step_config(n: int) -> dict:
-    """Rows per program, column chunk and warps. Under the interpreter: few, large programs (it
-    is slow per program). On GPU: [128-256, 32] fp32 tiles; ptxas reports ~95-106 registers and
-    no spills for sm_90 (offline compile). No autotuning: the launch sequence is CUDA-graph
-    captured, and no GPU was available to tune on (see bench/RESULTS.md)."""
+# ----------------------------------------------------------------------------------------------
+# Variant "persistent": one cooperative launch, a grid barrier per step (CUDA only)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _grid_barrier(bar_ptr, target):
+    # every program's stores of this step are visible to every program after this returns
+    tl.debug_barrier()  # the program's threads are done writing (bar.sync)
+    cnt = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
+    while cnt < target:
+        cnt = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _kmeanspp_persistent_kernel(
+    a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, n_ptr, picks_ptr, seed_ptr,
+    part_score_ptr, part_idx_ptr, bar_ptr,
+    A, B, K,
+    stride_an, stride_bn, stride_bcn,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    # G programs (co-resident: cooperative launch); program pid owns blocks pid, pid + G, ...
+    # step t: c from the G partials of step t-1; D update + race over its blocks; its partial;
+    # grid barrier. bar_ptr counts arrivals and must be 0 at launch.
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    n_valid = tl.load(n_ptr)
+    seed = tl.load(seed_ptr).to(tl.uint32)
+    n_blocks = tl.cdiv(n_valid, BLOCK_N)
+    for t in range(0, K):
+        c = tl.zeros((), dtype=tl.int32)
+        if t > 0:
+            prev = ((t - 1) % 2) * G
+            c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, G, BLOCK_P)
+            tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
+        best = float("-inf")
+        best_n = 2147483647
+        for blk in range(pid, n_blocks, G):
+            offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+            score = _step_block(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, seed,
+                                n_valid, c.to(tl.int64), t, offs_n, A, B, stride_an, stride_bn,
+                                stride_bcn, t == 0, BLOCK_A, BLOCK_B)
+            s = tl.max(score, axis=0)
+            i = tl.argmax(score, axis=0, tie_break_left=True) + blk * BLOCK_N
+            take = s > best  # blocks ascend: an equal score keeps the smaller index
+            best_n = tl.where(take, i, best_n)
+            best = tl.where(take, s, best)
+        cur = (t % 2) * G
+        tl.store(part_score_ptr + cur + pid, best)
+        tl.store(part_idx_ptr + cur + pid, best_n.to(tl.int32))
+        _grid_barrier(bar_ptr, (t + 1) * G)
+    last = ((K - 1) % 2) * G
+    c = _best_of_partials(part_score_ptr + last, part_idx_ptr + last, G, BLOCK_P)
+    tl.store(picks_ptr + K - 1, c.to(tl.int64), mask=pid == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
+                   block_n: int | None = None, device=None, sms: int | None = None) -> dict:
+    """Tile sizes, warps and grid of one seeding. Under the interpreter: few, large programs
+    (it is slow per program). On GPU: [128, <=64]-wide fp32 chunks, the first one of each
+    factor prefetched before the centre is known (ptxas figures in bench/RESULTS.md)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"kmeanspp: variant {variant!r} is not one of {VARIANTS}")
+    chunk = 128 if INTERPRETED else 64
     if INTERPRETED:
-        return dict(BLOCK_N=max(16, min(1024, triton.next_power_of_2(n))), BLOCK_K=128,
-                    num_warps=4)
-    if n >= 65536:
-        return dict(BLOCK_N=256, BLOCK_K=32, num_warps=8)
-    return dict(BLOCK_N=128, BLOCK_K=32, num_warps=4)
+        bn, warps = max(16, min(1024, triton.next_power_of_2(capacity))), 4
+    else:
+        bn, warps = 128, 8
+    bn = block_n or bn
+    cfg = dict(BLOCK_N=bn, BLOCK_A=max(16, min(chunk, triton.next_power_of_2(a))),
+               BLOCK_B=max(16, min(chunk, triton.next_power_of_2(b))), num_warps=warps)
+    if variant == "persistent":
+        if INTERPRETED:
+            raise ValueError("kmeanspp: the persistent variant needs a GPU (its grid barrier "
+                             "would hang the Triton interpreter); use variant='steps'")
+        if sms is None:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        cfg["grid"] = min(sms, triton.cdiv(capacity, bn))
+    else:
+        cfg["grid"] = triton.cdiv(capacity, bn)
+    cfg["BLOCK_P"] = max(16, triton.next_power_of_2(cfg["grid"]))
+    return cfg
 
 
-def _launch_steps(a, b, sqn, dmin, picks, seed_t, part_score, part_idx, k, cfg):
-    """The k + 1 launches of one seeding; a fixed sequence for a given shape (graph-capturable).
-    part_score / part_idx hold 2 x P partials (ping-pong between consecutive steps)."""
-    n, na = a.shape
-    nb = b.shape[1]
-    p = triton.cdiv(n, cfg["BLOCK_N"])
-    blocks = dict(BLOCK_N=cfg["BLOCK_N"],
-                  BLOCK_A=max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(na))),
-                  BLOCK_B=max(16, min(cfg["BLOCK_K"], triton.next_power_of_2(nb))),
-                  BLOCK_P=max(16, triton.next_power_of_2(p)))
+def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar,
+                   k: int, cfg: dict, variant: str = "steps"):
+    """The launches of one seeding over capacity-shaped buffers (a fixed sequence for a given
+    configuration: graph-capturable). a [cap, A], b / bc [cap, B] (any float dtype, row-major
+    rows), sqn / dmin [cap] fp32, excl [cap] uint8/bool, n_t [1] int32 (valid rows),
+    picks [k] int64, seed_t [1] int64, part_score / part_idx [2 * grid], bar [1] int32 (zeroed
+    here; persistent variant only)."""
+    p = cfg["grid"]
+    tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"],
+                 BLOCK_P=cfg["BLOCK_P"])
+    strides = (a.stride(0), b.stride(0), bc.stride(0))
+    if variant == "persistent":
+        bar.zero_()
+        _kmeanspp_persistent_kernel[(p,)](
+            a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar,
+            a.shape[1], b.shape[1], k, *strides,
+            num_warps=cfg["num_warps"], launch_cooperative_grid=True, **NO_FMA, **tiles)
+        return
     for t in range(k):
         _kmeanspp_step_kernel[(p,)](
-            a, b, sqn, dmin, picks, seed_t, part_score, part_idx,
-            n, na, nb, p, t, a.stride(0), b.stride(0),
-            FIRST=(t == 0), num_warps=cfg["num_warps"], **blocks,
+            a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx,
+            a.shape[1], b.shape[1], p, t, *strides,
+            FIRST=(t == 0), num_warps=cfg["num_warps"], **NO_FMA, **tiles)
+    _kmeanspp_pick_kernel[(1,)](part_score, part_idx, picks, p, k - 1,
+                                BLOCK_P=tiles["BLOCK_P"], **NO_FMA)
+
+
+def _check_factors(alpha, beta, beta_c, sqn):
+    if alpha.dim() != 2 or beta.dim() != 2 or alpha.shape[0] != beta.shape[0]:
+        raise ValueError(
+            f"kmeanspp: alpha [N, a] and beta [N, b] must share N; got {tuple(alpha.shape)} and "
+            f"{tuple(beta.shape)}"
         )
-    _kmeanspp_pick_kernel[(1,)](part_score, part_idx, picks, p, k - 1, BLOCK_P=blocks["BLOCK_P"])
-
-
-class _GraphedSeeding:
-    """The k + 1 launches captured once per shape in a CUDA graph. Inputs are copied into the
-    graph's static buffers; the seed lives in device memory, so one graph serves every seed."""
-
-    def __init__(self, n, na, nb, k, device, cfg):
-        self.a = torch.zeros(n, na, device=device)  # [N, a] fp32
-        self.b = torch.zeros(n, nb, device=device)  # [N, b] fp32
-        self.sqn = torch.zeros(n, device=device)  # [N]
-        self.dmin = torch.zeros(n, device=device)  # [N]
-        self.picks = torch.zeros(k, dtype=torch.int64, device=device)  # [k]
-        self.seed = torch.zeros(1, dtype=torch.int64, device=device)
-        p = triton.cdiv(n, cfg["BLOCK_N"])
-        self.ps = torch.empty(2 * p, device=device)
-        self.pi = torch.empty(2 * p, dtype=torch.int32, device=device)
-        args = (self.a, self.b, self.sqn, self.dmin, self.picks, self.seed, self.ps, self.pi, k,
-                cfg)
-        _launch_steps(*args)  # compile + warm up outside the capture
-        torch.cuda.synchronize(device)  # once per shape, at capture time only
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            _launch_steps(*args)
-
-    def run(self, a, b, sqn, dmin, seed_t):
-        self.a.copy_(a)
-        self.b.copy_(b)
-        self.sqn.copy_(sqn)
-        self.dmin.copy_(dmin)
-        self.seed.copy_(seed_t)
-        self.graph.replay()
-        return self.picks.clone()
-
-
-_GRAPHS: dict = {}  # (shape, device, config) -> _GraphedSeeding
+    if beta_c is not None and beta_c.shape != beta.shape:
+        raise ValueError(f"kmeanspp: beta_c must have beta's shape {tuple(beta.shape)}; got "
+                         f"{tuple(beta_c.shape)}")
+    devs = {t.device for t in (alpha, beta, beta_c, sqn) if t is not None}
+    if len(devs) > 1 or (sqn is not None and sqn.shape != alpha.shape[:1]):
+        raise ValueError("kmeanspp (triton): alpha, beta, beta_c and sqn [N] must be on one "
+                         f"device with one N; got devices {sorted(map(str, devs))}, sqn "
+                         f"{None if sqn is None else tuple(sqn.shape)}")
 
 
 def kmeanspp_triton(
@@ -257,58 +354,46 @@ def kmeanspp_triton(
     seed: int,
     exclude: torch.Tensor | None = None,  # bool [N]
     validate: bool = True,
-    sqn: torch.Tensor | None = None,  # [N] |alpha_n|^2 |beta_n|^2, if the caller has it
-    graph: bool | None = None,
+    beta_c: torch.Tensor | None = None,  # [N, b] centre-side factor (Gram route)
+    sqn: torch.Tensor | None = None,  # [N] |g_n|^2, if the caller has it
     block_n: int | None = None,
+    variant: str = "steps",
 ) -> torch.Tensor:
     """Drop-in for ``reference.kmeanspp``: long [k] distinct indices, the reference's draws for
-    the same seed. Factors of any float dtype (computed on in fp32).
-
-    ``sqn``: |alpha_n|^2 |beta_n|^2 from ``grad_embed_triton_with_norms`` (saves a pass).
-    ``graph``: replay the k steps from a CUDA graph cached per shape (default: on for CUDA
-    tensors unless CMACC_GRAPH=0). ``block_n``: rows per program (tests use it to make the
-    cross-block reduction decide picks). ``validate=True`` syncs once to count the eligible
-    candidates, as the reference does; nothing else leaves the device."""
-    if alpha.dim() != 2 or beta.dim() != 2 or alpha.shape[0] != beta.shape[0]:
-        raise ValueError(
-            f"kmeanspp: alpha [N, a] and beta [N, b] must share N; got {tuple(alpha.shape)} and "
-            f"{tuple(beta.shape)}"
-        )
-    if beta.device != alpha.device or (sqn is not None and sqn.shape != alpha.shape[:1]):
-        raise ValueError("kmeanspp (triton): alpha, beta and sqn [N] must be on one device with "
-                         f"one N; got {alpha.device}/{beta.device}, sqn "
-                         f"{None if sqn is None else tuple(sqn.shape)}")
+    the same seed; non-finite |g_n|^2 candidates are never drawn, as in the reference. Factors of
+    any float dtype (computed on in fp32). Eager launches into buffers allocated per call: the
+    selection hot path uses kernels/triton_select.py (capacity-shaped buffers, one CUDA graph).
+    ``block_n``: rows per program (tests use it to make the cross-block reduction decide picks).
+    ``validate=True`` syncs once to count the eligible candidates, as the reference does."""
+    _check_factors(alpha, beta, beta_c, sqn)
     n = alpha.shape[0]
-    reference._check_kmeanspp_args(n, k, exclude, alpha.device, validate)
+    reference._check_kmeanspp_args(n, k, exclude, alpha.device, validate=False)
     dev = alpha.device
     a = alpha if alpha.stride(1) == 1 else alpha.contiguous()  # [N, a]
     b = beta if beta.stride(1) == 1 else beta.contiguous()  # [N, b]
-    if n * max(a.stride(0), b.stride(0), 1) >= 2**31:  # the kernel's element offsets are int32
+    bc = b if beta_c is None else (beta_c if beta_c.stride(1) == 1 else beta_c.contiguous())
+    if n * max(a.stride(0), b.stride(0), bc.stride(0), 1) >= 2**31:
         raise ValueError(f"kmeanspp (triton): alpha {tuple(a.shape)} / beta {tuple(b.shape)} "
                          "span >= 2^31 elements; split the pool or use CMACC_KERNELS=reference")
-    if sqn is None:
-        af, bf = a.float(), b.float()
-        sqn = (af * af).sum(1) * (bf * bf).sum(1)  # [N], exactly as the reference
+    if sqn is None:  # |a_n|^2 (b_n . bc_n), exactly as the reference
+        af, bf, bcf = a.float(), b.float(), bc.float()
+        sqn = (af * af).sum(1) * (bf * bcf).sum(1)  # [N]
     sqn = sqn.float().contiguous()
-    dmin = torch.full((n,), float("inf"), device=dev, dtype=torch.float32)  # [N]
-    if exclude is not None:
-        dmin = dmin.masked_fill(exclude.to(dev), -1.0)
-    # a fill kernel, not a host-to-device copy (a blocking copy would synchronise the stream)
+    excl = (torch.zeros(n, dtype=torch.uint8, device=dev) if exclude is None
+            else exclude.to(device=dev, dtype=torch.uint8).contiguous())
+    if validate:  # one host sync, as the reference: excluded and non-finite are not eligible
+        reference._check_kmeanspp_args(n, k, excl != 0, dev, True,
+                                       nonfinite=~torch.isfinite(sqn))
+    cfg = seeding_config(n, a.shape[1], b.shape[1], variant, block_n, dev)
+    p = cfg["grid"]
+    # fill kernels, not host-to-device copies (a blocking copy would synchronise the stream)
+    n_t = torch.full((1,), n, dtype=torch.int32, device=dev)
     seed_t = torch.full((1,), reference.seed32(seed), dtype=torch.int64, device=dev)
-    cfg = _step_config(n)
-    if block_n is not None:
-        cfg["BLOCK_N"] = block_n
-    if graph is None:
-        graph = a.is_cuda and os.environ.get("CMACC_GRAPH", "1") == "1"
-    if graph:
-        key = (n, a.shape[1], b.shape[1], k, dev, tuple(sorted(cfg.items())))
-        g = _GRAPHS.get(key)
-        if g is None:
-            g = _GRAPHS[key] = _GraphedSeeding(n, a.shape[1], b.shape[1], k, dev, cfg)
-        return g.run(a, b, sqn, dmin, seed_t)
     picks = torch.empty(k, dtype=torch.int64, device=dev)  # [k]
-    p = triton.cdiv(n, cfg["BLOCK_N"])
+    dmin = torch.empty(n, device=dev, dtype=torch.float32)  # [N]
     part_score = torch.empty(2 * p, device=dev, dtype=torch.float32)  # [2, P] ping-pong
     part_idx = torch.empty(2 * p, device=dev, dtype=torch.int32)
-    _launch_steps(a, b, sqn, dmin, picks, seed_t, part_score, part_idx, k, cfg)
+    bar = torch.zeros(1, device=dev, dtype=torch.int32)
+    launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar, k,
+                   cfg, variant)
     return picks

@@ -1,13 +1,21 @@
-"""Analyses and the mutual-information study: plots and reports are written; the MultiOmniglot
-pairs are built as specified (same characters, different drawers, disjoint train/test hands)."""
+"""Analyses and the mutual-information study: plots and reports are written; the diversity
+table is the seeds' window means with a 95% t-interval (recomputed here from the runs'
+metrics.csv with scipy's t law); random sampling's diversity law matches a brute-force
+enumeration; the MultiOmniglot pairs are built as specified (the paper's largest alphabets,
+other drawers, disjoint train/test hands)."""
 
+import csv
+import itertools
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from cmacc.apps import analysis, mi
+from cmacc.metrics import expected_unique, mean_ci, t975
 
 
 def test_gallery_orders_hard_before_easy(tiny_run, tmp_path):
@@ -27,12 +35,58 @@ def test_perclass_and_report(tiny_run, tmp_path):
     assert "perclass.png" in report.read_text()
 
 
-def test_diversity_command_compares_samplers(tmp_path):
-    res = analysis.diversity(tmp_path, steps=10, samplers=("random", "active"))
-    assert set(res["runs"]) == {"random", "active"}
-    assert (tmp_path / "diversity.png").exists()
-    for r in res["runs"].values():
-        assert 0 < r["unique_per_m_last"] <= r["coverage_last"] <= 1 and 0 <= r["probe_video"] <= 1
+def test_diversity_command_compares_samplers_over_seeds(tmp_path):
+    data = dict(classes=6, clips=96, class_dist="zipf:1", redundancy=0.5, noise=1.0)
+    res = analysis.diversity(tmp_path, steps=20, samplers=("random", "active"), seeds=2,
+                             data_over=data)
+    assert set(res["table"]) == {"random", "active"} and (tmp_path / "diversity.png").exists()
+    per_seed = {}
+    for s in ("random", "active"):
+        per_seed[s] = []
+        for k in range(2):
+            with open(tmp_path / s / f"seed{k}" / "metrics.csv", newline="") as f:
+                rows = list(csv.DictReader(f))
+            assert len(rows) == 2  # logged every 10 steps: quarters are the first, last row
+            per_seed[s].append([float(r["unique_per_m"]) for r in rows])
+        a = np.array(per_seed[s])  # [seed, row]
+        row = res["table"][s]
+        for key, vals in (("unique_per_m_all", a.mean(1)), ("unique_per_m_first", a[:, 0]),
+                          ("unique_per_m_last", a[:, 1])):
+            mean, half = row[key]
+            assert mean == pytest.approx(vals.mean())
+            sem = vals.std(ddof=1) / math.sqrt(2)
+            assert half == pytest.approx(stats.t.ppf(0.975, 1) * sem, rel=1e-3, abs=1e-9)
+        assert 0 < row["coverage_last"][0] <= 1 and 0 <= row["probe_video"][0] <= 1
+        assert row["purity_chance"][0] == pytest.approx(
+            sum((k / 96) ** 2 for k in [39, 20, 13, 10, 8, 6]))  # 96 p_c, Zipf 1 over 6 classes
+    gap = np.array(per_seed["active"])[:, 1] - np.array(per_seed["random"])[:, 1]
+    assert res["table"]["active"]["gap_last"][0] == pytest.approx(gap.mean())
+    assert "gap_last" not in res["table"]["random"]
+    # the law of a random batch: 16 of the 96 clips, classes of 39, 20, 13, 10, 8, 6 clips
+    assert res["setting"]["random_law"] == pytest.approx(expected_unique([39, 20, 13, 10, 8, 6], 16) / 16)
+    report = analysis.write_report(tmp_path, {"diversity": res}).read_text()
+    assert "| random (XMoCo) | " in report and "key purity video" in report
+
+
+def test_expected_unique_matches_enumeration():
+    """E[U] of m clips drawn without replacement, against every m-subset counted."""
+    for counts, m in (([2, 2], 2), ([3, 1, 1], 2), ([4, 2, 1, 1], 3), ([5, 3, 2, 1, 1], 4)):
+        clips = [c for c, k in enumerate(counts) for _ in range(k)]
+        subsets = list(itertools.combinations(clips, m))
+        brute = sum(len(set(sub)) for sub in subsets) / len(subsets)
+        assert expected_unique(counts, m) == pytest.approx(brute)
+    assert expected_unique([2, 2], 2) == pytest.approx(5 / 3)  # 1 - 1/6 same-class pairs, x2
+    assert expected_unique([7], 3) == pytest.approx(1.0)
+
+
+def test_mean_ci_is_the_t_interval():
+    for df in (1, 2, 5, 29, 30, 31, 60, 200):
+        assert t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
+    v = [0.61, 0.66, 0.70, 0.64]
+    mean, half = mean_ci(v)
+    assert mean == pytest.approx(np.mean(v))
+    assert half == pytest.approx(stats.t.ppf(0.975, 3) * np.std(v, ddof=1) / 2, rel=1e-3)
+    assert math.isnan(mean_ci([0.5])[1])
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +95,36 @@ def glyphs(tmp_path_factory):
     return mi.Glyphs(root)
 
 
-def test_multiomniglot_pairs_same_characters_other_drawers(glyphs):
-    pairs = mi.MultiOmniglotPairs(glyphs, 3, 20, seed=0, drawers=slice(0, 14))
+@pytest.mark.parametrize("relation, shift", [("next", 1), ("same", 0)])
+def test_multiomniglot_pairs_follow_the_relation_with_other_drawers(glyphs, relation, shift):
+    pairs = mi.MultiOmniglotPairs(glyphs, 3, 20, seed=0, drawers=slice(0, 14), relation=relation)
     assert pairs.x.shape == (20, 1, 64, 64)  # 3 characters in a 2x2 grid of 32x32 cells
     assert pairs.mutual_information == pytest.approx(3 * math.log(5))
     for j in range(20):
         for i in range(3):
             r, c = divmod(i, 2)
             cell = lambda t: t[j, 0, r * 32:(r + 1) * 32, c * 32:(c + 1) * 32]  # noqa: E731
-            stack = glyphs.alphabets[i][int(pairs.labels[j, i])][:14]
-            dx = [k for k in range(14) if torch.equal(stack[k], cell(pairs.x))]
-            dy = [k for k in range(14) if torch.equal(stack[k], cell(pairs.y))]
-            assert dx and dy and set(dx).isdisjoint(dy)  # same character, another person
+            z = int(pairs.labels[j, i])
+            stack_x = glyphs.alphabets[i][z][:14]
+            stack_y = glyphs.alphabets[i][(z + shift) % 5][:14]
+            dx = [k for k in range(14) if torch.equal(stack_x[k], cell(pairs.x))]
+            dy = [k for k in range(14) if torch.equal(stack_y[k], cell(pairs.y))]
+            assert dx and dy and set(dx).isdisjoint(dy)  # that character, another person
+
+
+def test_glyphs_take_the_largest_alphabets_whole(tmp_path):
+    """The paper's alphabets are Omniglot's largest (Tifinagh 55, Hiragana 52, ...), all their
+    characters: here 3 alphabets of 2, 4 and 3 characters, the 2 largest wanted."""
+    from PIL import Image
+
+    base = tmp_path / "omniglot-py" / "images_background"
+    for name, n in (("A_small", 2), ("B_large", 4), ("C_mid", 3)):
+        for c in range(n):
+            (base / name / f"character{c:02d}").mkdir(parents=True)
+            for d in range(2):
+                Image.new("L", (8, 8), 255 - 40 * c).save(base / name / f"character{c:02d}" / f"{d}.png")
+    g = mi.Glyphs(tmp_path, max_alphabets=2)
+    assert g.names == ["B_large", "C_mid"] and [len(a) for a in g.alphabets] == [4, 3]
 
 
 def test_mi_run_writes_plot(glyphs, tmp_path):

@@ -1,6 +1,8 @@
 """data_dali.synthetic: the redundancy groups follow round(1 / (1 - r)), labels are balanced,
-shapes and seeds behave, and the in-memory clips and the MP4 files draw the same class grating
-(orientation and spatial frequency measured on the pictures, against pi c / C and 2 + c % 3)."""
+the class-distribution knob gives each class its share of the Zipf law (hand counts, and
+|count - n p_c| < 1 against the law written out), shapes and seeds behave, and the in-memory
+clips and the MP4 files draw the same class grating (orientation and spatial frequency measured
+on the pictures, against pi c / C and 2 + c % 3)."""
 
 import math
 
@@ -54,9 +56,44 @@ def test_clips_of_a_group_share_their_instance_and_other_groups_do_not():
     assert not torch.equal(noisy.video[0], noisy.video[C])  # near copies: own noise
 
 
+@pytest.mark.parametrize("dist, n, C, counts", [
+    ("zipf:1", 100, 4, [48, 24, 16, 12]),  # p = 12/25, 6/25, 4/25, 3/25: no remainders
+    ("zipf:2", 49, 3, [36, 9, 4]),  # p = 36/49, 9/49, 4/49
+    ("zipf:1", 10, 3, [5, 3, 2]),  # 10 p = 5.45, 2.73, 1.82: floors 5, 2, 1 + the 2 largest rests
+    ("zipf:0", 10, 4, [3, 3, 2, 2]),  # = uniform: the first n % C classes get one more
+    ("uniform", 10, 4, [3, 3, 2, 2]),
+])
+def test_class_counts_by_hand(dist, n, C, counts):
+    assert synthetic.class_counts(dist, n, C) == counts
+
+
+@pytest.mark.parametrize("s", [0.5, 1.0, 1.3, 2.0])
+def test_zipf_clips_follow_their_law(s):
+    n, C = 997, 37
+    law = [(c + 1) ** -s for c in range(C)]
+    law = [w / sum(law) for w in law]  # the law written out: p_c ∝ 1 / (c + 1)^S
+    d = synthetic.ToyAV(num_clips=n, num_classes=C, frames=1, size=4, n_mels=4, mel_frames=2,
+                        class_dist=f"zipf:{s}", redundancy=0.5)
+    counts = torch.bincount(d.labels, minlength=C).tolist()
+    assert sum(counts) == n and all(abs(k - n * p) < 1 for k, p in zip(counts, law))
+    assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[-1]
+    for c in range(C):  # each class's clips are its instances 0, 1, ..., count - 1
+        assert sorted(d.instance[d.labels == c].tolist()) == list(range(counts[c]))
+
+
+@pytest.mark.parametrize("bad", ["zipf", "zipf:", "zipf:-1", "zipf:nan", "zipf:inf", "Zipf:1",
+                                 "pareto:1", "uniform:1", ""])
+def test_bad_class_dist_is_refused_with_the_accepted_forms(bad):
+    with pytest.raises(ValueError, match=r"--class-dist .*expected 'uniform' or 'zipf:S'"):
+        synthetic.ToyAV(num_clips=8, num_classes=2, class_dist=bad)
+    with pytest.raises(ValueError, match=r"--class-dist .*expected 'uniform' or 'zipf:S'"):
+        synthetic.write_dataset("unused", class_dist=bad)
+
+
 def test_labels_are_balanced_and_shapes_follow_the_arguments():
     d = synthetic.ToyAV(num_clips=50, num_classes=7, frames=5, size=9, fps=10, n_mels=40)
     assert torch.equal(d.labels, torch.arange(50) % 7)
+    assert torch.equal(d.instance, torch.arange(50) // 7)
     counts = torch.bincount(d.labels, minlength=7)
     assert counts.max() - counts.min() <= 1 and counts.sum() == 50
     assert d.video.shape == (50, 3, 5, 9, 9) and d.audio.shape == (50, 40, 50)  # 100 mel fps
@@ -106,6 +143,18 @@ def test_files_and_memory_draw_the_same_class_grating(tmp_path):
     assert rows[0] == "path,label,split" and len(rows) == 1 + C
 
 
+@pytest.mark.parametrize("C", [8, 20, 32, 101])
+def test_file_tones_follow_the_pitch_law_below_nyquist(C):
+    """The class tone of the files: a minor third apart up to 20 classes, squeezed to stay at or
+    below 7040 Hz beyond (16 kHz audio: Nyquist 8 kHz); the spectrum's peak is the tone."""
+    sr, inst = 16_000, dict(speed=1.0, phase=0.0, colour=np.ones(3))
+    for c in (0, C // 2, C - 1):
+        wave = synthetic._sound(c, C, inst, 1.0, sr, 0.0, np.random.default_rng(0))
+        peak = np.argmax(np.abs(np.fft.rfft(wave))) * sr / len(wave)  # 1 Hz bins
+        law = 220 * 2 ** (c / 4) if C <= 20 else 220 * 2 ** (5 * c / C)
+        assert abs(peak - law) <= 1.5 and law <= 7040
+
+
 def test_file_clips_of_a_group_share_their_instance(tmp_path):
     av = pytest.importorskip("av")
     src = synthetic.write_dataset(tmp_path, classes=1, per_class=4, seconds=1.0, width=64,
@@ -116,3 +165,13 @@ def test_file_clips_of_a_group_share_their_instance(tmp_path):
             first.append(next(f.decode(video=0)).to_ndarray(format="rgb24").astype(float))
     assert np.abs(first[0] - first[1]).mean() < 1 and np.abs(first[2] - first[3]).mean() < 1
     assert np.abs(first[0] - first[2]).mean() > 5
+
+
+def test_zipf_file_dataset_has_the_quota_of_each_class(tmp_path):
+    pytest.importorskip("av")
+    src = synthetic.write_dataset(tmp_path, classes=3, per_class=3, seconds=0.2, width=16,
+                                  height=16, fps=10, class_dist="zipf:1")  # 9 p = 4.91, 2.45, 1.64
+    rows = (src / "list.csv").read_text().splitlines()[1:]
+    labels = [r.split(",")[1] for r in rows]
+    assert [labels.count(f"class{c:02d}") for c in range(3)] == [5, 2, 2]
+    assert all((src / r.split(",")[0]).is_file() for r in rows)

@@ -58,6 +58,7 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--dict-size", "4"], "dict_size"),
     (["--steps", "0"], "steps must be"),
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
+    (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:

@@ -1,14 +1,16 @@
 """The paper's analyses as commands that write PNG plots and a Markdown report.
 
-    python -m cmacc.apps.analysis diversity --out runs/analysis [--steps 120]   # Fig. 3
+    python -m cmacc.apps.analysis diversity --out runs/analysis [--steps 500 --seeds 3]  # Fig. 3
     python -m cmacc.apps.analysis dictsize  --out runs/analysis [--sizes 32 64 128]
-    python -m cmacc.apps.analysis gallery   runs/analysis/active --out runs/analysis
-    python -m cmacc.apps.analysis perclass  runs/analysis/active --out runs/analysis
+    python -m cmacc.apps.analysis gallery   runs/analysis/active/seed0 --out runs/analysis
+    python -m cmacc.apps.analysis perclass  runs/analysis/active/seed0 --out runs/analysis
     python -m cmacc.apps.analysis all       --out runs/analysis    # everything + report.md
 
-The training runs use the tiny preset on the built-in synthetic clips (CPU); pass
-``--data MANIFEST`` to pretrain on a prepared dataset instead. Finished runs are resumed, not
-redone. Everything a command needs (output folder, run configs, the data's evaluation splits
+The training runs use the tiny preset (M = 16) on the built-in synthetic clips (CPU); pass
+``--data MANIFEST`` to pretrain on a prepared dataset instead. ``diversity`` runs every sampler
+(random, active, active-feature, OHEM) with several seeds in a regime where the metric is not
+saturated (``DIVERSITY_DATA``: 32 classes, Zipf-distributed, redundant instances; ~5 minutes on
+2 CPU cores) and reports mean ± 95% CI over seeds. Finished runs are resumed, not redone. Everything a command needs (output folder, run configs, the data's evaluation splits
 for both encoders, the run to analyse) is checked before the first run starts.
 """
 
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import torch
 
-from cmacc.config import PRESETS, Config
+from cmacc.config import GRAD_VIEWS, PRESETS, Config
 from cmacc.data import synthetic_clips
-from cmacc.runlog import plot_metrics, save_figure
+from cmacc.metrics import expected_unique, mean_ci
+from cmacc.runlog import read_csv, save_figure
 from cmacc.trainer import Trainer
+from data_dali.synthetic import class_counts
 from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
 from data_dali.fileio import atomic_write_text
 
@@ -85,19 +89,164 @@ def pretrain(run_dir, sampler, steps, *, data="synthetic", sections=None) -> dic
 
 
 # -- (a) negative-category diversity per iteration ---------------------------------------------
-def diversity_runs(out, samplers=tuple(SAMPLER_LABELS)) -> dict:
-    """Run folder → (sampler, config overrides) of the diversity analysis."""
-    return {Path(out) / s: (s, {}) for s in samplers}
+# The default setting: not saturated (C = 32 classes >= 2M, M = 16 from the tiny preset), a
+# long-tailed pool (Zipf, S = 1) of redundant clips (groups of 4 instances share a source),
+# noise 0.3 (DataConfig's default; the tiny preset's 1.0 leaves the encoder near chance on 32
+# classes in this budget: docs/FIDELITY.md). 4 samplers x 3 seeds x 500 steps: ~5 min, 2 cores.
+DIVERSITY_DATA = dict(classes=32, clips=512, class_dist="zipf:1", redundancy=0.75, noise=0.3)
+DIVERSITY_STEPS, DIVERSITY_SEEDS = 500, 3
+WINDOWS = ("all", "first", "last")  # every logged row, the first and the last quarter of them
 
 
-def diversity(out, steps, data="synthetic", samplers=tuple(SAMPLER_LABELS)) -> dict:
+def diversity_runs(out, samplers=tuple(SAMPLER_LABELS), seeds=DIVERSITY_SEEDS,
+                   data_over=None, selection_over=None) -> dict:
+    """Run folder OUT/<sampler>/seed<k> → (sampler, config overrides: seed k, the synthetic
+    data settings (DIVERSITY_DATA unless ``data_over``) and ``selection_over``, e.g. tau_p)."""
+    data_over = DIVERSITY_DATA if data_over is None else data_over
+    return {Path(out) / s / f"seed{k}": (s, dict(model=dict(seed=k), data=dict(data_over),
+                                                  selection=dict(selection_over or {})))
+            for s in samplers for k in range(seeds)}
+
+
+def diversity(out, steps=DIVERSITY_STEPS, data="synthetic", samplers=tuple(SAMPLER_LABELS),
+              seeds=DIVERSITY_SEEDS, data_over=None, selection_over=None) -> dict:
+    """Pretrain every sampler with every seed; per sampler, the curves of unique/M and coverage
+    (mean and 95% t-interval over seeds, ``plot_diversity``), a table of window means and, on
+    the synthetic clips, why (``key_diagnostics``)."""
     out = Path(out)
-    runs, table = {}, {}
-    for run_dir, (s, sections) in diversity_runs(out, samplers).items():
-        table[s] = pretrain(run_dir, s, steps, data=data, sections=sections)
-        runs[SAMPLER_LABELS[s]] = str(run_dir / "metrics.csv")
-    png = plot_metrics(runs, out / "diversity.png", keys=("unique_per_m", "coverage", "acc", "gnorm"))
-    return {"png": str(png), "runs": table}
+    data_over = DIVERSITY_DATA if data_over is None else data_over
+    curves, summaries = {}, {}
+    runs = diversity_runs(out, samplers, seeds, data_over, selection_over)
+    for run_dir, (s, sections) in runs.items():
+        summary = pretrain(run_dir, s, steps, data=data, sections=sections)
+        if data == "synthetic":
+            summary.update(key_diagnostics(run_dir))
+        summaries.setdefault(s, []).append(summary)
+        curves.setdefault(s, []).append(read_csv(run_dir / "metrics.csv"))
+    cfg = run_config(out, samplers[0], steps, data=data, sections=next(iter(runs.values()))[1])
+    m, random_law = cfg.model.batch_size, None
+    if cfg.data.synthetic:  # E[U] / M of a random batch, from the class quotas
+        counts = class_counts(cfg.data.class_dist, cfg.data.clips, cfg.data.classes)
+        random_law = expected_unique(counts, m) / m
+    table = {s: diversity_row(rows, summaries[s], None if s == "random" else curves.get("random"))
+             for s, rows in curves.items()}
+    setting = dict(M=m, K=cfg.model.dict_size, N=cfg.selection.pool_size, steps=steps,
+                   seeds=seeds, data=data, random_law=random_law, tau_p=cfg.selection.tau_p,
+                   grad_view=cfg.selection.grad_view,
+                   **({k: getattr(cfg.data, k) for k in DIVERSITY_DATA} if cfg.data.synthetic else {}))
+    png = plot_diversity(curves, out / "diversity.png", random_law)
+    return {"png": str(png), "setting": setting, "table": table, "runs": summaries}
+
+
+def window(rows: list[dict], key: str, which: str) -> float:
+    """Mean of ``key`` over the rows of a window: all, the first or the last quarter."""
+    q = max(1, len(rows) // 4)
+    part = {"all": rows, "first": rows[:q], "last": rows[-q:]}[which]
+    return sum(float(r[key]) for r in part) / len(part)
+
+
+def diversity_row(runs: list[list[dict]], summaries: list[dict], random=None) -> dict:
+    """(mean, 95% half-width) over seeds of each window's unique/M and coverage, the
+    difference to random paired by seed (same seed: same clips and initial weights), the last
+    pretext accuracy and the probes."""
+    row = {}
+    for key in ("unique_per_m", "coverage"):
+        for w in WINDOWS:
+            row[f"{key}_{w}"] = mean_ci([window(r, key, w) for r in runs])
+    if random is not None:
+        for w in WINDOWS:
+            row[f"gap_{w}"] = mean_ci([window(a, "unique_per_m", w) - window(b, "unique_per_m", w)
+                                       for a, b in zip(runs, random)])
+    for key in ("acc_last", "probe_video", "probe_audio", *DIAGNOSTICS):
+        row[key] = mean_ci([sm.get(key, float("nan")) for sm in summaries])
+    return row
+
+
+DIAGNOSTICS = ("purity_video", "purity_audio", "purity_chance", "pmax", "entropy", "pool_dup")
+
+
+@torch.no_grad()
+def key_diagnostics(run, n_batches=20, seed=0) -> dict:
+    """What decides whether a sampler can find other categories (docs/FIDELITY.md), measured on
+    the synthetic clips of a run with its final key encoders:
+
+    - ``purity_video`` / ``purity_audio``: share of clips whose nearest other key (cosine) has
+      the same class, clips of the same near-duplicate group excluded; ``purity_chance`` =
+      sum_c p_c^2, what keys without class information get;
+    - ``pmax``, ``entropy``: the pseudo-posterior of paper eq. 5 (at the run's tau_p) of every
+      video key over M random audio queries: mean max_j p_nj (uniform: 1/M) and mean entropy /
+      log M (1 = uniform);
+    - ``pool_dup``: share of the final video pool U_v whose near-duplicate group (same class,
+      same ``instance_group``) has another member in the pool (0 = de-duplicated)."""
+    import math
+
+    from data_dali.synthetic import instance_group
+
+    model, data = synthetic_run(run)
+    cfg, n = model.cfg, len(data)
+    keys = {"video": [], "audio": []}
+    queries = []
+    for s in range(0, n, 128):
+        b = data.batch(torch.arange(s, min(n, s + 128)))
+        keys["video"].append(model.h_v(b["video"])[0])
+        keys["audio"].append(model.h_a(b["audio"])[0])
+        queries.append(model.f_a(b["audio"])[0])
+    keys = {k: torch.cat(v) for k, v in keys.items()}  # [n, d]
+    queries = torch.cat(queries)  # [n, d] audio queries
+    lab = data.labels
+    group = lab * n + instance_group(data.instance, data.redundancy)  # [n] near-duplicate group
+    same_group = group[:, None] == group[None, :]  # [n, n], self included
+    out = {}
+    for mod, k in keys.items():
+        sim = (k @ k.t()).masked_fill(same_group, -float("inf"))
+        out[f"purity_{mod}"] = (lab[sim.argmax(1)] == lab).float().mean().item()
+    share = torch.bincount(lab, minlength=data.num_classes).double() / n
+    out["purity_chance"] = float((share ** 2).sum())
+    m, g = cfg.batch_size, torch.Generator().manual_seed(seed)
+    pmax = ent = 0.0
+    for _ in range(n_batches):
+        p = (keys["video"] @ queries[torch.randperm(n, generator=g)[:m]].t()
+             / model.sel.tau_p).softmax(1)  # [n, M] eq. 5
+        pmax += p.max(1).values.mean().item() / n_batches
+        ent += (-(p * p.clamp_min(1e-12).log()).sum(1) / math.log(m)).mean().item() / n_batches
+    out.update(pmax=pmax, entropy=ent)
+    pool = model.pool_v.index[: model.pool_v.count]
+    pool = group[pool[pool >= 0]]
+    out["pool_dup"] = ((pool[:, None] == pool[None, :]).sum(1) > 1).float().mean().item()
+    return out
+
+
+def plot_diversity(curves: dict, png, random_law=None, points=25) -> Path:
+    """unique/M, coverage and pretext accuracy over the steps: the logged rows in about
+    ``points`` consecutive bins; per sampler the mean over seeds of each seed's bin mean and
+    its 95% t-band; random sampling's law as a dashed line."""
+    import math
+
+    plt = _plt()
+    keys = {"unique_per_m": "unique/M (paper Fig. 3)", "coverage": "coverage = U / min(M, C)",
+            "acc": "pretext accuracy"}
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.3))
+    for ax, (key, title) in zip(axes, keys.items()):
+        for s, runs in curves.items():
+            n = min(len(r) for r in runs)
+            width = max(1, n // points)
+            bins = [range(b, min(n, b + width)) for b in range(0, n, width)]
+            steps = [int(runs[0][b[-1]]["step"]) for b in bins]
+            stats = [mean_ci([sum(float(r[i][key]) for i in b) / len(b) for r in runs])
+                     for b in bins]
+            mean = [a for a, _ in stats]
+            half = [0.0 if math.isnan(h) else h for _, h in stats]
+            line, = ax.plot(steps, mean, label=SAMPLER_LABELS[s], lw=1.4)
+            ax.fill_between(steps, [a - h for a, h in zip(mean, half)],
+                            [a + h for a, h in zip(mean, half)], color=line.get_color(), alpha=0.18)
+        if key == "unique_per_m" and random_law is not None:
+            ax.axhline(random_law, color="k", ls="--", lw=1, label="random, expected (law)")
+        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, png, dpi=80)
 
 
 # -- (d) dictionary size K, random vs active ---------------------------------------------------
@@ -227,22 +376,56 @@ def synthetic_run(run):
     return model.eval(), synthetic_clips(cfg.data, cfg.model.seed)
 
 
+def _pm(stat) -> str:
+    mean, half = stat
+    return f"{mean:.3f}" if half != half else f"{mean:.3f} ± {half:.3f}"  # (NaN: one seed)
+
+
+def diversity_report(res: dict) -> list[str]:
+    """The diversity section of report.md: the setting, the figure and the tables."""
+    st = res["setting"]
+    data = (f"{st['clips']} synthetic clips, C = {st['classes']} classes, class_dist "
+            f"{st['class_dist']}, redundancy {st['redundancy']}, noise {st['noise']}"
+            if "classes" in st else f"data {st['data']}")
+    law = (f" Random sampling's expected unique/M (the law of a random batch of these clips): "
+           f"{st['random_law']:.3f}." if st.get("random_law") is not None else "")
+    lines = ["## Negative-category diversity per iteration (paper Fig. 3)", "",
+             f"M = {st['M']}, K = {st['K']}, N = {st['N']}, τ_p = {st['tau_p']}, gradient view "
+             f"{st['grad_view']}, {st['steps']} steps, {st['seeds']} seeds; {data}.{law}", "",
+             "![diversity](diversity.png)", "",
+             "unique/M = distinct categories among the M negatives enqueued per step / M (the "
+             "paper appendix's metric); coverage = distinct categories / min(M, C) (1.0 = "
+             "ceiling). Mean ± 95% t-interval over seeds of each seed's mean over all logged "
+             "steps, the first or the last quarter of them; Δ = unique/M minus random's, paired "
+             "by seed (same seed: same clips, same initial weights).", "",
+             "| sampler | unique/M all | unique/M first ¼ | unique/M last ¼ | coverage last ¼ | "
+             "Δ vs random, first ¼ | Δ vs random, last ¼ | pretext acc (last) | probe video | "
+             "probe audio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for s, r in res["table"].items():
+        gaps = [_pm(r[k]) if k in r else "" for k in ("gap_first", "gap_last")]
+        lines.append(f"| {SAMPLER_LABELS[s]} | {_pm(r['unique_per_m_all'])} | "
+                     f"{_pm(r['unique_per_m_first'])} | {_pm(r['unique_per_m_last'])} | "
+                     f"{_pm(r['coverage_last'])} | {gaps[0]} | {gaps[1]} | {_pm(r['acc_last'])} | "
+                     f"{_pm(r['probe_video'])} | {_pm(r['probe_audio'])} |")
+    rows = {s: r for s, r in res["table"].items() if r["purity_video"][0] == r["purity_video"][0]}
+    if rows:
+        lines += ["", "Why (`key_diagnostics`, final encoders): key 1-NN class purity (near "
+                  "duplicates excluded; chance = Σ p_c²), the pseudo-posterior of eq. 5 at "
+                  f"τ_p (max p; uniform = 1/M = {1 / st['M']:.4f}; entropy / log M, 1 = "
+                  "uniform), and the share of the pool U_v with a near duplicate in it.", "",
+                  "| sampler | key purity video | key purity audio | chance | posterior max p | "
+                  "posterior entropy | pool near-duplicates |", "|---|---|---|---|---|---|---|"]
+        for s, r in rows.items():
+            lines.append(f"| {SAMPLER_LABELS[s]} | " + " | ".join(
+                _pm(r[k]) for k in DIAGNOSTICS) + " |")
+    return lines + [""]
+
+
 def write_report(out, results: dict) -> Path:
     out = Path(out)
     lines = ["# CM-ACC analyses", ""]
     if "diversity" in results:
-        lines += ["## Negative-category diversity per iteration (paper Fig. 3)", "",
-                  "![diversity](diversity.png)", "",
-                  "unique/M = distinct categories among the M enqueued negatives / M (the paper's "
-                  "appendix metric); coverage = distinct categories / min(M, C) (1.0 = ceiling).", "",
-                  "| sampler | unique/M (last) | coverage (last) | pretext acc (last) | probe video | "
-                  "probe audio |",
-                  "|---|---|---|---|---|---|"]
-        for s, r in results["diversity"]["runs"].items():
-            lines.append(f"| {SAMPLER_LABELS[s]} | {r['unique_per_m_last']:.3f} | "
-                         f"{r['coverage_last']:.3f} | {r['acc_last']:.3f} | "
-                         f"{r.get('probe_video', float('nan')):.3f} | {r.get('probe_audio', float('nan')):.3f} |")
-        lines.append("")
+        lines += diversity_report(results["diversity"])
     if "dictsize" in results:
         lines += ["## Dictionary size K, random vs active", "", "![dictsize](dictsize.png)", "",
                   "| K | sampler | pretext acc | probe video | probe audio |", "|---|---|---|---|---|"]
@@ -267,35 +450,55 @@ def write_report(out, results: dict) -> Path:
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("what", choices=("diversity", "dictsize", "gallery", "perclass", "all"))
-    p.add_argument("run", nargs="?", help="run folder (gallery, perclass; all: default OUT/active)")
+    p.add_argument("run", nargs="?", help="run folder (gallery, perclass; all: default OUT/active/seed0)")
     p.add_argument("--out", default="runs/analysis")
-    p.add_argument("--steps", type=positive_int, default=120)
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help=f"pretraining steps per run (default: diversity {DIVERSITY_STEPS}, "
+                        "dictsize 120)")
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[32, 64, 128])
     p.add_argument("--data", default="synthetic")
+    g = p.add_argument_group("diversity", "runs, and the synthetic clips they pretrain on")
+    g.add_argument("--seeds", type=positive_int, default=DIVERSITY_SEEDS,
+                   help=f"seeds per sampler (default {DIVERSITY_SEEDS}; the CIs are over seeds)")
+    g.add_argument("--samplers", nargs="+", choices=tuple(SAMPLER_LABELS),
+                   default=list(SAMPLER_LABELS))
+    for name, value in DIVERSITY_DATA.items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                       help=f"default {value} (train.py --{name.replace('_', '-')})")
+    g.add_argument("--tau-p", type=float, default=None, help="pseudo-posterior temperature "
+                   "(default: the method's, 1 as paper eq. 5)")
+    g.add_argument("--grad-view", choices=GRAD_VIEWS, default=None,
+                   help="gradient-embedding view (default: the method's, head)")
     args = p.parse_args(argv)
     setup_logging()
+    data_over = {name: getattr(args, name) for name in DIVERSITY_DATA}
+    selection_over = {k: v for k, v in (("tau_p", args.tau_p), ("grad_view", args.grad_view))
+                      if v is not None}
     if args.what in ("gallery", "perclass") and not args.run:
-        p.error(f"{args.what} needs a run folder (a pretrained checkpoint), e.g. runs/analysis/active")
+        p.error(f"{args.what} needs a run folder (a pretrained checkpoint), e.g. runs/analysis/active/seed0")
     if args.what == "all" and args.data != "synthetic" and not args.run:
         raise UserError(f"all --data {args.data}: gallery and perclass read the built-in synthetic "
-                        "clips, so OUT/active (pretrained on --data) cannot serve them; run "
+                        "clips, so OUT/active/seed0 (pretrained on --data) cannot serve them; run "
                         "diversity and dictsize with --data, or pass a synthetic run folder")
     out = output_folder(args.out, "--out")
+    div_steps, size_steps = args.steps or DIVERSITY_STEPS, args.steps or 120
+    div = diversity_runs(out, tuple(args.samplers), args.seeds, data_over, selection_over)
     runs = {}  # everything to pretrain, checked before the first run starts
     if args.what in ("diversity", "all"):
-        runs.update(diversity_runs(out))
+        runs.update(div)
     if args.what in ("dictsize", "all"):
         runs.update(dictsize_runs(out, args.sizes))
-    if runs and args.run:  # all RUN: the run analysed after the pretraining
-        synthetic_run(args.run)
     if runs:
-        check_runs(runs, args.steps, args.data)
+        check_runs(runs, min(div_steps, size_steps), args.data)
+    if runs and args.run:  # the run analysed after the pretraining
+        synthetic_run(args.run)
     results = {}
     if args.what in ("diversity", "all"):
-        results["diversity"] = diversity(out, args.steps, args.data)
+        results["diversity"] = diversity(out, div_steps, args.data, tuple(args.samplers),
+                                         args.seeds, data_over, selection_over)
     if args.what in ("dictsize", "all"):
-        results["dictsize"] = dictsize(out, args.steps, args.sizes, args.data)
-    run = args.run or str(out / "active")
+        results["dictsize"] = dictsize(out, size_steps, args.sizes, args.data)
+    run = args.run or str(out / "active" / "seed0")
     if args.what in ("gallery", "all"):
         results["gallery"] = gallery(run, out)
     if args.what in ("perclass", "all"):

@@ -7,10 +7,13 @@
   4. linear-probe both encoders of both runs (and of the untrained network) on held-out clips,
   5. print a comparison table and write the curves (OUT/curves.png).
 
-Honest numbers, whatever they show. Pretraining sees every clip without labels; the probe is fit
-on the train split and scored on the test split.
+The clips (``DEMO``) are a setting where the diversity of the negatives can differ: C = 32
+classes for M = 16 negatives per step, Zipf-distributed (class c has a share ∝ 1 / (c + 1)),
+groups of 4 near-duplicate instances — random sampling's expected unique/M is printed beside the
+table. Honest numbers, whatever they show. Pretraining sees every clip without labels; the
+probe is fit on the train split and scored on the test split.
 
-    python -m cmacc.apps.demo --out runs/demo [--steps 150] [--data toy]
+    python -m cmacc.apps.demo --out runs/demo [--steps 300] [--data toy]
 """
 
 from __future__ import annotations
@@ -20,21 +23,26 @@ from pathlib import Path
 
 import torch
 
+from cmacc.metrics import expected_unique
 from cmacc.model import CMACC
 from cmacc.runlog import plot_metrics
 from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
+from data_dali.synthetic import class_counts
 
 from . import positive_int
 from .analysis import check_runs, pretrain
 from .eval import evaluate, load_pretrained
 
 
-def prepare_demo_data(out: Path, classes=8, per_class=16) -> str:
+# the demo's clips: 32 classes x 8 clips on average, Zipf-distributed, near-duplicate groups of 4
+DEMO = dict(classes=32, per_class=8, class_dist="zipf:1", redundancy=0.75, noise=0.3)
+
+
+def prepare_demo_data(out: Path) -> str:
     from data_dali import prepare as prep
     from data_dali import synthetic
 
-    src = synthetic.write_dataset(out / "source", classes=classes, per_class=per_class,
-                                  seconds=3.0, redundancy=0.5, noise=1.0)
+    src = synthetic.write_dataset(out / "source", seconds=2.0, **DEMO)
     summary = prep.prepare(src, out / "data", layout="list", list_file=src / "list.csv",
                            cfg=prep.PrepareConfig(short_side=64, min_seconds=1.0))
     print(f"prepared {summary['kept']} clips ({summary['rejected']} rejected) → "
@@ -46,14 +54,17 @@ def prepare_demo_data(out: Path, classes=8, per_class=16) -> str:
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("--out", default="runs/demo")
-    p.add_argument("--steps", type=positive_int, default=150)
+    p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--data", choices=("files", "toy"), default="files",
                    help="files: synthetic MP4s through prepare + loaders (default); toy: in-memory clips")
     args = p.parse_args(argv)
     setup_logging()
     out = output_folder(args.out, "--out")
     data = prepare_demo_data(out) if args.data == "files" else "synthetic"
-    extra = dict(data=dict(redundancy=0.5)) if args.data == "toy" else {}
+    n_clips = DEMO["classes"] * DEMO["per_class"]
+    extra = {}
+    if args.data == "toy":  # the same clip counts, rendered in memory
+        extra = dict(data=dict(clips=n_clips, **{k: v for k, v in DEMO.items() if k != "per_class"}))
     runs = {"XMoCo (random)": ("random", out / "xmoco"), "CM-ACC (active)": ("active", out / "cmacc")}
     check_runs({d: (s, extra) for s, d in runs.values()}, args.steps, data)  # before pretraining
     summaries = {}
@@ -77,6 +88,10 @@ def main(argv=None):
               f"{s['coverage_last']:.3f} | "
               f"{s['probe_video']:.3f} / {s['probe_audio']:.3f} | {s['clips_per_s']:.0f} |")
     print(f"| no pretraining (random init) | | | | {floor['video']:.3f} / {floor['audio']:.3f} | |")
+    m = model.cfg.batch_size
+    law = expected_unique(class_counts(DEMO["class_dist"], n_clips, DEMO["classes"]), m) / m
+    print(f"\nrandom sampling's expected unique/M for these {n_clips} clips ({DEMO['classes']} "
+          f"classes, {DEMO['class_dist']}; M = {m}): {law:.3f}")
     print(f"\ncurves: {png}\nruns: {out}/xmoco, {out}/cmacc (re-running resumes/finishes them)")
     return 0
 

@@ -1,10 +1,16 @@
 """The mutual-information study (paper appendix; Ozair et al. 2019, Spatial-MultiOmniglot).
 
-A pair (x, y) shows the same l characters in a grid of 32x32 cells; in y each character is
-drawn by another person. Position i draws its character from the i-th alphabet (l_i
-characters), so I(x; y) = sum_i log l_i grows with the number of characters l. SMoCo (x vs an
-augmented x), XMoCo and CM-ACC (x vs y) are trained with a small CNN for l = 1..9 and judged by
-a linear probe of the character at every position from the frozen x-encoder (mean accuracy).
+A pair (x, y) shows l characters in a grid of 32x32 cells. Position i draws its character z_i
+from the i-th alphabet (l_i characters): the paper's alphabets are the 9 largest of Omniglot's
+background set (Tifinagh 55, Hiragana 52, Gujarati 48, Katakana 47, Bengali 46, Grantha 43,
+Sanskrit 42, Armenian 41, Mkhedruli 41), so ``Glyphs`` takes the alphabets with the most
+characters, all of them. In y, position i shows character (z_i + 1) mod l_i of the same alphabet
+(``relation="next"``, Ozair et al.'s construction as public reproductions build it; the CM-ACC
+appendix does not restate it) or z_i itself (``"same"``), always drawn by another person.
+Either way I(x; y) = sum_i log l_i grows with l. SMoCo (x vs an augmented x), XMoCo and CM-ACC
+(x vs y) are trained with a small CNN for l = 1..9 and judged by a linear probe of the
+character at every position from the frozen x-encoder's backbone features (pre-head, mean
+accuracy over positions). docs/FIDELITY.md has what this shows and what it takes.
 
     python -m cmacc.apps.mi --omniglot ROOT --out runs/mi [--chars 1 2 4 9] [--steps 300]
 
@@ -38,6 +44,8 @@ TRAIN_DRAWERS = 14  # drawers 0..13 make the training pairs, the rest (>= 2) the
 METHODS = {"SMoCo": ("smoco", "random"),  # (objective, sampler)
            "XMoCo": ("cross", "random"),
            "CM-ACC": ("cross", "active")}
+PAPER_ALPHABET_SIZES = (55, 52, 48, 47, 46, 43, 42, 41, 41)  # Tifinagh, Hiragana, ..., Mkhedruli
+RELATIONS = ("next", "same")  # y's character at a position: x's next in the alphabet, or x's
 
 
 class OmniglotError(UserError, FileNotFoundError):
@@ -45,9 +53,11 @@ class OmniglotError(UserError, FileNotFoundError):
 
 
 class Glyphs:
-    """Omniglot character images as [n_drawers, 32, 32] tensors per (alphabet, character)."""
+    """Omniglot character images as [n_drawers, 32, 32] tensors per (alphabet, character): the
+    ``max_alphabets`` alphabets with the most characters (ties by name), largest first, each
+    with all its characters (at most ``max_chars`` if given)."""
 
-    def __init__(self, root, max_alphabets=9, max_chars=20):
+    def __init__(self, root, max_alphabets=9, max_chars=None):
         # torchvision's Omniglot layout, read directly (torchvision's own class also insists on
         # the downloaded zip files being present, which a copied folder may lack)
         base = Path(root) / "omniglot-py" / "images_background"
@@ -56,16 +66,20 @@ class Glyphs:
                 f"{root}: no Omniglot in torchvision's layout; expected "
                 f"{base}/<alphabet>/<character>/*.png (torchvision.datasets.Omniglot(ROOT, "
                 "download=True) writes it; --make-glyphs DIR makes a generated stand-in)")
+        folders = {a: sorted(p for p in a.iterdir() if p.is_dir())
+                   for a in base.iterdir() if a.is_dir()}
+        largest = sorted((a for a in folders if folders[a]),
+                         key=lambda a: (-len(folders[a]), a.name))[:max_alphabets]
+        self.names = [a.name for a in largest]
         self.alphabets = []  # per alphabet: list of [drawers, 32, 32] tensors
-        for a in sorted(p for p in base.iterdir() if p.is_dir())[:max_alphabets]:
+        for a in largest:
             chars = []
-            for ch in sorted(p for p in a.iterdir() if p.is_dir())[:max_chars]:
+            for ch in folders[a][:max_chars]:
                 files = sorted(ch.glob("*.png"))
                 if len(files) < 2:
                     raise OmniglotError(f"{ch}: needs >= 2 drawings (.png) per character")
                 chars.append(torch.stack([self._load(f) for f in files]))
-            if chars:
-                self.alphabets.append(chars)
+            self.alphabets.append(chars)
         if not self.alphabets:
             raise OmniglotError(f"{base}: no alphabet folders with characters")
 
@@ -82,9 +96,14 @@ class Glyphs:
 
 
 class MultiOmniglotPairs:
-    """n pairs (x, y, per-position character labels) for l characters in a near-square grid."""
+    """n pairs (x, y, per-position character labels of x) for l characters in a near-square
+    grid; y's character at a position is x's next in its alphabet (``relation="next"``) or x's
+    (``"same"``), drawn by another person."""
 
-    def __init__(self, glyphs: Glyphs, n_chars: int, n: int, *, seed: int, drawers: slice):
+    def __init__(self, glyphs: Glyphs, n_chars: int, n: int, *, seed: int, drawers: slice,
+                 relation: str = "next"):
+        if relation not in RELATIONS:
+            raise ValueError(f"relation {relation!r} is not one of {RELATIONS}")
         if n_chars > len(glyphs.alphabets):
             raise ValueError(f"{n_chars} characters need {n_chars} alphabets; the Omniglot "
                              f"folder has {len(glyphs.alphabets)}")
@@ -96,13 +115,17 @@ class MultiOmniglotPairs:
         self.sizes = [len(glyphs.alphabets[i]) for i in range(n_chars)]
         self.x = torch.zeros(n, 1, rows * CELL, cols * CELL)
         self.y = torch.zeros_like(self.x)
+        shift = 1 if relation == "next" else 0
         for i in range(n_chars):
             r, c = divmod(i, cols)
+            alphabet = glyphs.alphabets[i]
             for j in range(n):
-                imgs = glyphs.alphabets[i][int(self.labels[j, i])][drawers]
-                d = torch.randperm(imgs.shape[0], generator=g)[:2]  # two different people
-                self.x[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs[d[0]]
-                self.y[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs[d[-1]]
+                z = int(self.labels[j, i])
+                imgs_x = alphabet[z][drawers]
+                imgs_y = alphabet[(z + shift) % len(alphabet)][drawers]
+                d = torch.randperm(imgs_x.shape[0], generator=g)[:2]  # two different people
+                self.x[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs_x[d[0]]
+                self.y[j, 0, r * CELL:(r + 1) * CELL, c * CELL:(c + 1) * CELL] = imgs_y[d[-1]]
 
     @property
     def mutual_information(self) -> float:
@@ -165,19 +188,26 @@ def probe_accuracy(model, train: MultiOmniglotPairs, test: MultiOmniglotPairs) -
 
 
 def run(root, out, chars=(1, 2, 4, 9), steps=300, batch=32, n_train=2000, n_test=500, seed=0,
-        methods=tuple(METHODS)) -> dict:
+        methods=tuple(METHODS), relation="next") -> dict:
     glyphs = Glyphs(root)
     check_glyphs(glyphs, root, max(chars))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"chars": list(chars), "mi": [], **{m: [] for m in methods}}
+    results = {"chars": list(chars), "mi": [], "alphabets": glyphs.names[:max(chars)],
+               "relation": relation, "steps": steps, "n_train": n_train, "untrained": [],
+               **{m: [] for m in methods}}
     for l in chars:
         # drawers 0..13 make the training pairs, 14.. the test pairs (unseen handwriting)
         tr = MultiOmniglotPairs(glyphs, l, n_train, seed=seed + l,
-                                drawers=slice(0, TRAIN_DRAWERS))
+                                drawers=slice(0, TRAIN_DRAWERS), relation=relation)
         te = MultiOmniglotPairs(glyphs, l, n_test, seed=seed + 100 + l,
-                                drawers=slice(TRAIN_DRAWERS, None))
+                                drawers=slice(TRAIN_DRAWERS, None), relation=relation)
         results["mi"].append(tr.mutual_information)
+        # the floor: the same encoder at initialisation (what the probe reads without learning)
+        results["untrained"].append(probe_accuracy(
+            train_one(methods[0], tr, steps=0, batch=batch, seed=seed), tr, te))
+        print(f"l={l} (MI {tr.mutual_information:.2f} nats) untrained: probe accuracy "
+              f"{results['untrained'][-1]:.3f}", flush=True)
         for m in methods:
             model = train_one(m, tr, steps=steps, batch=batch, seed=seed)
             acc = probe_accuracy(model, tr, te)
@@ -212,6 +242,9 @@ def _plot(results, methods, png):
     fig, ax = plt.subplots(figsize=(5, 3.6))
     for m in methods:
         ax.plot(results["chars"], results[m], marker="o", label=m)
+    if results.get("untrained"):
+        ax.plot(results["chars"], results["untrained"], color="grey", ls="--", marker=".",
+                label="untrained encoder")
     ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
     ax.set_ylabel("linear-probe character accuracy")
     ax.grid(alpha=0.3)
@@ -220,15 +253,17 @@ def _plot(results, methods, png):
     save_figure(fig, png)
 
 
-def make_glyphs(root, alphabets=9, chars=8, drawers=20, seed=0) -> Path:
+def make_glyphs(root, alphabets=9, chars=None, drawers=20, seed=0) -> Path:
     """A generated stand-in for Omniglot in torchvision's layout: each character is a fixed
-    random set of strokes; each drawer jitters them."""
+    random set of strokes; each drawer jitters them. ``chars`` characters per alphabet, or the
+    sizes of the paper's alphabets (55, 52, ..., 41: ``PAPER_ALPHABET_SIZES``)."""
     from PIL import Image, ImageDraw
 
     g = torch.Generator().manual_seed(seed)
     base = Path(root) / "omniglot-py" / "images_background"
     for a in range(alphabets):
-        for c in range(chars):
+        n_chars = chars or PAPER_ALPHABET_SIZES[a % len(PAPER_ALPHABET_SIZES)]
+        for c in range(n_chars):
             folder = base / f"Alphabet_{a:02d}" / f"character{c + 1:02d}"
             folder.mkdir(parents=True, exist_ok=True)
             strokes = torch.rand(3, 4, generator=g) * 80 + 12
@@ -253,6 +288,9 @@ def main(argv=None):
     p.add_argument("--batch", type=positive_int, default=32)
     p.add_argument("--train-pairs", type=positive_int, default=2000)
     p.add_argument("--test-pairs", type=positive_int, default=500)
+    p.add_argument("--relation", choices=RELATIONS, default="next",
+                   help="y's character: x's next in its alphabet (Ozair et al., default) or x's own")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not (args.make_glyphs or args.omniglot):
         p.error("pass --omniglot ROOT (torchvision layout) or --make-glyphs DIR")
@@ -267,7 +305,7 @@ def main(argv=None):
     else:
         root = args.omniglot
     run(root, args.out, tuple(args.chars), args.steps, args.batch, args.train_pairs,
-        args.test_pairs)
+        args.test_pairs, seed=args.seed, relation=args.relation)
     print(f"plot: {Path(args.out) / 'mi.png'}  results: {Path(args.out) / 'mi.json'}")
     return 0
 

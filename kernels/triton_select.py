@@ -1,0 +1,200 @@
+"""One dictionary's active selection at pool capacity: gradient embedding + k-means++ seeding
+(DESIGN.md §1 steps 1-5) over buffers shaped by the pool's CAPACITY, replayed from one CUDA graph.
+
+A ``SelectPlan`` is built once per (capacity, M, d, d_h, k, view, tau, precision, factor dtype,
+variant, device, keys buffer) and owns every buffer of the hot path:
+
+    inputs   keys [cap, d] (the caller's pool buffer itself when bound: no copy), queries [M, d],
+             feats [M, d_h], exclude [cap], n [1] (valid rows), seed [1]
+    factors  alpha [cap, a], beta / beta_c [cap, b], sqn [cap]   (written by the embedding kernel)
+    seeding  D [cap], picks [k], partials [2, P], barrier [1]
+
+A call writes the small inputs (queries, feats, exclude; fill kernels for n and seed), replays
+the graph and returns the picks: no allocation, no host synchronisation, no copy of the pool or
+of the factors. A pool that grows (rolling pool warm-up) or shrinks runs in the same graph: rows
+n <= i < cap are masked, so a whole run costs one capture per dictionary shape. The head view
+takes the Gram route when d_h > M (G = H H^T computed in the graph, no QR; see
+kernels/reference.py ``select_factors``), so beta has M columns instead of d_h.
+
+Without CUDA (the interpreter) the plan runs the same launches eagerly; ``captures`` counts the
+graphs captured (0 there). Plans are cached (``plan_for``), at most ``MAX_PLANS``, least
+recently used first out.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+
+from . import reference
+from . import triton_grad_embed as ge
+from . import triton_kmeanspp as km
+
+__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "FACTOR_DTYPES", "MAX_PLANS",
+           "INTERPRETED"]
+
+INTERPRETED = ge.INTERPRETED
+FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_PLANS = 8
+MIN_CAPACITY = 1024  # unbound calls round the pool up to a power of two >= this
+
+
+class SelectPlan:
+    def __init__(self, capacity, m, d, dh, k, *, view, tau, precision, factors, variant,
+                 device, keys_dtype=torch.float32, keys_buffer=None, graph=None):
+        if view not in reference.VIEWS:
+            raise ValueError(f"select: view={view!r} is not one of {reference.VIEWS}")
+        if factors not in FACTOR_DTYPES:
+            raise ValueError(f"select: factors={factors!r} is not one of {tuple(FACTOR_DTYPES)}")
+        ge.check_m(m)
+        if not 1 <= k <= capacity:
+            raise ValueError(f"select: k={k} must be in [1, capacity={capacity}]")
+        dev = torch.device(device)
+        self.capacity, self.m, self.k, self.view, self.tau = capacity, m, k, view, float(tau)
+        self.precision, self.variant, self.device = ge.precision_of(precision), variant, dev
+        head = view == "head"
+        self.gram = head and dh > m and m <= ge.GRAM_MAX_M
+        fdt = FACTOR_DTYPES[factors]
+        a = d if head else m
+        b = (m if self.gram else dh) if head else d
+        f32 = dict(device=dev, dtype=torch.float32)
+        if keys_buffer is not None:
+            if keys_buffer.shape != (capacity, d) or keys_buffer.stride(1) != 1:
+                raise ValueError(f"select: the bound keys buffer must be [capacity={capacity}, "
+                                 f"d={d}] with unit column stride; got {tuple(keys_buffer.shape)}")
+            self.keys = keys_buffer  # [cap, d] the caller's pool storage, read in place
+        else:
+            self.keys = torch.zeros(capacity, d, device=dev, dtype=keys_dtype)  # [cap, d]
+        self.bound = keys_buffer is not None
+        self.queries = torch.zeros(m, d, **f32)  # [M, d]
+        self.feats = torch.zeros(m, dh, **f32)  # [M, d_h]
+        self.f = torch.zeros(m, m, **f32) if self.gram else self.feats  # G [M, M] or H
+        self.exclude = torch.zeros(capacity, device=dev, dtype=torch.uint8)  # [cap]
+        self.n = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.seed = torch.zeros(1, device=dev, dtype=torch.int64)
+        self.alpha = torch.zeros(capacity, a, device=dev, dtype=fdt)  # [cap, a]
+        self.beta = torch.zeros(capacity, b, device=dev, dtype=fdt)  # [cap, b]
+        self.beta_c = torch.zeros(capacity, b, device=dev, dtype=fdt) if self.gram else None
+        self.sqn = torch.zeros(capacity, **f32)  # [cap] |g_n|^2
+        self.dmin = torch.zeros(capacity, **f32)  # [cap]
+        self.picks = torch.zeros(k, device=dev, dtype=torch.int64)  # [k]
+        self.cfg = km.seeding_config(capacity, a, b, variant, device=dev)
+        p = self.cfg["grid"]
+        self.part_score = torch.zeros(2 * p, **f32)  # [2, P]
+        self.part_idx = torch.zeros(2 * p, device=dev, dtype=torch.int32)
+        self.bar = torch.zeros(1, device=dev, dtype=torch.int32)
+        self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
+        self._launch()  # compile, autotune and warm up outside any capture
+        if graph if graph is not None else (dev.type == "cuda"
+                                            and os.environ.get("CMACC_GRAPH", "1") == "1"):
+            self._capture()
+
+    def _launch(self):
+        """Every launch of one selection, on the current stream, from the plan's buffers."""
+        if self.gram:
+            torch.mm(self.feats, self.feats.t(), out=self.f)  # G = H H^T [M, M]
+        ge.embed_into(self.keys, self.queries, self.f, self.alpha, self.beta, self.beta_c,
+                      self.sqn, self.n, tau=self.tau, view=self.view, gram=self.gram,
+                      precision=self.precision)
+        bc = self.beta if self.beta_c is None else self.beta_c
+        km.launch_seeding(self.alpha, self.beta, bc, self.sqn, self.dmin, self.exclude, self.n,
+                          self.picks, self.seed, self.part_score, self.part_idx, self.bar,
+                          self.k, self.cfg, self.variant)
+
+    def _capture(self):
+        torch.cuda.synchronize(self.device)  # once per plan, at capture time only
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._launch()
+        self.graph, self.captures = graph, self.captures + 1
+
+    @torch.no_grad()
+    def run(self, keys, n: int, queries, feats, exclude, seed: int) -> torch.Tensor:
+        """Picks (long [k], indices < n) from the first n rows of ``keys``. ``keys`` is the bound
+        buffer (read in place) or any [>= n, d] tensor (its first n rows are copied in, counted
+        in ``copies``). ``exclude``: bool [>= n] or None. ``feats`` may be None in the queries
+        view."""
+        if not self.k <= n <= self.capacity:
+            raise ValueError(f"select: n={n} valid candidates must be in [k={self.k}, "
+                             f"capacity={self.capacity}]")
+        if self.bound:
+            if keys.data_ptr() != self.keys.data_ptr():
+                raise ValueError("select: this plan reads the pool buffer it was built with; "
+                                 "pass that buffer (or build an unbound plan)")
+        else:
+            self.keys[:n].copy_(keys[:n])
+            self.copies += 1
+        self.queries.copy_(queries)
+        if feats is not None and self.view == "head":
+            self.feats.copy_(feats)
+        if exclude is None:
+            self.exclude.zero_()
+        else:
+            self.exclude[:n].copy_(exclude[:n])
+        self.n.fill_(n)
+        self.seed.fill_(reference.seed32(seed))
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+        else:
+            self._launch()
+        return self.picks.clone()
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+
+
+def clear_plans() -> None:
+    _PLANS.clear()
+
+
+def _capacity_for(n: int) -> int:
+    cap = MIN_CAPACITY
+    while cap < n:
+        cap *= 2
+    return cap
+
+
+def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision=None,
+             factors="fp32", variant="steps") -> SelectPlan:
+    """The cached plan for this call. ``n`` given: ``keys`` is a capacity buffer [cap, d] read in
+    place (bound). ``n`` None: ``keys`` [N, d] is copied into a plan of capacity rounded up to a
+    power of two (>= MIN_CAPACITY), so varying N costs a bounded number of plans."""
+    reference._check_grad_embed_args(keys, queries, feats, tau, view)
+    cap = keys.shape[0] if n is not None else _capacity_for(keys.shape[0])
+    m, d = queries.shape
+    dh = feats.shape[1] if (view == "head") else d
+    bound = keys if n is not None else None
+    key = (cap, m, d, dh, k, view, float(tau), ge.precision_of(precision), factors, variant,
+           str(keys.device), keys.dtype, None if bound is None else bound.data_ptr())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = SelectPlan(cap, m, d, dh, k, view=view, tau=tau, precision=precision,
+                          factors=factors, variant=variant, device=keys.device,
+                          keys_dtype=keys.dtype, keys_buffer=bound)
+        _PLANS[key] = plan
+        while len(_PLANS) > MAX_PLANS:
+            _PLANS.popitem(last=False)
+    _PLANS.move_to_end(key)
+    return plan
+
+
+def select_triton(keys, queries, feats, k, *, seed, n=None, tau=1.0, view="head",
+                  exclude=None, validate=True, precision=None, factors="fp32", variant="steps"):
+    """kernels.select on the Triton path: long [k] indices into the first n rows of ``keys``
+    (n = keys.shape[0] when not given). ``validate=True`` checks the request first (one host
+    sync: eligible count) and, after, that non-finite embeddings left enough candidates (a
+    second sync); the hot path passes validate=False."""
+    n_valid = keys.shape[0] if n is None else int(n)
+    if validate:
+        excl = None if exclude is None else exclude[:n_valid]
+        reference._check_kmeanspp_args(n_valid, k, excl, keys.device, True)
+    plan = plan_for(keys, queries, feats, k, n=n, tau=tau, view=view, precision=precision,
+                    factors=factors, variant=variant)
+    picks = plan.run(keys, n_valid, queries, feats, exclude, seed)
+    if validate:  # non-finite embeddings are known only now
+        reference._check_kmeanspp_args(n_valid, k, plan.exclude[:n_valid] != 0, keys.device,
+                                       True, nonfinite=~torch.isfinite(plan.sqn[:n_valid]))
+    return picks
