@@ -198,10 +198,10 @@ def _check_grad_embed_args(keys, queries, feats, tau, view):
 
 def _residual(k: torch.Tensor, q: torch.Tensor, tau: float) -> torch.Tensor:
     """r = softmax(k q^T / tau) - onehot(argmax), fp32 [N, M] (dCE/ds for the pseudo-labels)."""
-    s = (k @ q.t()) / tau  # [N, M]
-    p = torch.softmax(s, dim=1)  # [N, M]
+    s = (k @ q.t()).div_(tau)  # [N, M]  (in place: no second [N, M] buffer)
+    r = torch.softmax(s, dim=1)  # [N, M]  p
     yhat = s.argmax(dim=1)  # [N]
-    return p.scatter_add(1, yhat[:, None], -torch.ones_like(p[:, :1]))  # [N, M]  p - e_yhat
+    return r.scatter_add_(1, yhat[:, None], -torch.ones_like(r[:, :1]))  # [N, M]  p - e_yhat
 
 
 def grad_embed(
