@@ -27,7 +27,7 @@ __all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status"]
 _CHOICES = ("auto", "triton", "reference")
 _TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")
 _NOT_INSTALLED = "triton is not installed (pip install triton)"
-_triton = None  # after the first attempt: (grad_embed module, kmeanspp module), or why not
+_triton = None  # after the first attempt: the modules of _TRITON_MODULES (a tuple), or why not
 
 
 def _triton_modules():

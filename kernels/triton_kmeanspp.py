@@ -330,22 +330,6 @@ def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, pa
                                 BLOCK_P=tiles["BLOCK_P"], **NO_FMA)
 
 
-def _check_factors(alpha, beta, beta_c, sqn):
-    if alpha.dim() != 2 or beta.dim() != 2 or alpha.shape[0] != beta.shape[0]:
-        raise ValueError(
-            f"kmeanspp: alpha [N, a] and beta [N, b] must share N; got {tuple(alpha.shape)} and "
-            f"{tuple(beta.shape)}"
-        )
-    if beta_c is not None and beta_c.shape != beta.shape:
-        raise ValueError(f"kmeanspp: beta_c must have beta's shape {tuple(beta.shape)}; got "
-                         f"{tuple(beta_c.shape)}")
-    devs = {t.device for t in (alpha, beta, beta_c, sqn) if t is not None}
-    if len(devs) > 1 or (sqn is not None and sqn.shape != alpha.shape[:1]):
-        raise ValueError("kmeanspp (triton): alpha, beta, beta_c and sqn [N] must be on one "
-                         f"device with one N; got devices {sorted(map(str, devs))}, sqn "
-                         f"{None if sqn is None else tuple(sqn.shape)}")
-
-
 def kmeanspp_triton(
     alpha: torch.Tensor,  # [N, a]
     beta: torch.Tensor,  # [N, b]
@@ -365,7 +349,7 @@ def kmeanspp_triton(
     selection hot path uses kernels/triton_select.py (capacity-shaped buffers, one CUDA graph).
     ``block_n``: rows per program (tests use it to make the cross-block reduction decide picks).
     ``validate=True`` syncs once to count the eligible candidates, as the reference does."""
-    _check_factors(alpha, beta, beta_c, sqn)
+    reference._check_factors(alpha, beta, beta_c, sqn)
     n = alpha.shape[0]
     reference._check_kmeanspp_args(n, k, exclude, alpha.device, validate=False)
     dev = alpha.device
@@ -376,8 +360,7 @@ def kmeanspp_triton(
         raise ValueError(f"kmeanspp (triton): alpha {tuple(a.shape)} / beta {tuple(b.shape)} "
                          "span >= 2^31 elements; split the pool or use CMACC_KERNELS=reference")
     if sqn is None:  # |a_n|^2 (b_n . bc_n), exactly as the reference
-        af, bf, bcf = a.float(), b.float(), bc.float()
-        sqn = (af * af).sum(1) * (bf * bcf).sum(1)  # [N]
+        sqn = reference._sqnorm(a.float(), b.float(), bc.float())  # [N]
     sqn = sqn.float().contiguous()
     excl = (torch.zeros(n, dtype=torch.uint8, device=dev) if exclude is None
             else exclude.to(device=dev, dtype=torch.uint8).contiguous())
