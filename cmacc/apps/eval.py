@@ -54,7 +54,8 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
     else:
         try:
             state = ckpt.load(p)
-        except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - corrupt or foreign bytes: torch's weights-only
+            # unpickler raises UnpicklingError, EOFError, RuntimeError, but also IndexError etc.
             raise CheckpointError(f"{p}: not a checkpoint file ({_why_unloadable(e)}); "
                                   f"{_FIX}") from None
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
