@@ -1,32 +1,41 @@
 """`make gpu-check`: everything that needs a CUDA GPU, in one command, appended to bench/RESULTS.md.
 
-    python bench/gpu_check.py [--sizes 9600 19200 38400 76800 153600] [--quick]
+    python bench/gpu_check.py [--sizes 9600 19200 38400 76800 153600] [--quick] [--part NAME ...]
 
-1. the kernel tests, compiled (not interpreted): tests/test_grad_embed.py, test_kmeanspp.py,
-   test_select_plan.py, test_reference.py with TRITON_INTERPRET unset;
-2. the selection sweep: one dictionary's selection (kernels/triton_select.py, a bound
-   capacity-shaped plan replayed from its CUDA graph) for N in --sizes, M = k = 128, d = 128,
-   d_h = 512, both gradient views, every dot precision x factor dtype x k-means++ variant; the
-   median of ``triton.testing.do_bench``; plus, at the largest N <= 38,400, the index agreement
-   of each setting with the fp32 / ieee / per-step selection (same seed);
-3. the DALI GPU decode throughput (bench/bench_pipeline.py's measurement, synthetic clips);
-4. a short ``train.py`` run with AMP (bf16) + channels-last on the GPU: clips/s, step time,
-   total and visible selection time (the selection overlaps the key encoders on a side stream).
+Parts (``--part`` runs only those named; each part runs in a process of its own):
 
-Each part that fails is reported as failed (its first error line) and the others still run;
-the dated section (device, versions, commit) is appended to bench/RESULTS.md, the raw sweep to
-bench/results/gpu_check.csv. Exit status 1 if a part failed, 2 without a GPU.
+1. ``kernels``: the kernel tests, compiled (not interpreted): tests/test_grad_embed.py,
+   test_kmeanspp.py, test_select_plan.py, test_reference.py with TRITON_INTERPRET unset;
+2. ``sweep``: one dictionary's selection (kernels/triton_select.py, a bound capacity-shaped plan
+   replayed from its CUDA graph) for N in --sizes, M = k = 128, d = 128, d_h = 512, both
+   gradient views, every dot precision x factor dtype x k-means++ variant; the median of
+   ``triton.testing.do_bench``; plus, at the largest N <= 38,400, the index agreement of each
+   setting with the fp32 / ieee / per-step selection (same seed);
+3. ``dali``: the DALI GPU decode throughput (bench/bench_pipeline.py's measurement, synthetic
+   clips);
+4. ``train``: a short ``train.py`` run with AMP (bf16) + channels-last on the GPU: clips/s, step
+   time, total and visible selection time (the selection overlaps the key encoders on a side
+   stream).
+
+A dated section (device, versions, commit) is appended to bench/RESULTS.md before the first part
+starts, and each part's figures as soon as that part ends, so a part that fails, hangs past its
+time limit or crashes the interpreter (a segmentation fault in a driver or library) costs only
+its own figures. The closing summary names every failed part and the command that reruns it
+alone. The raw sweep goes to bench/results/gpu_check.csv. Exit status 1 if a part failed, 2
+without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,12 +56,19 @@ def _env_without_interpreter() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CMACC_KERNELS")}
 
 
-def kernel_tests() -> str:
+class PartFailed(Exception):
+    """A part ran to its end but its result is a failure; the message is its report."""
+
+
+def kernel_tests(args) -> str:
     out = subprocess.run([sys.executable, "-m", "pytest", *KERNEL_TESTS, "-q",
                           "-p", "no:cacheprovider"], cwd=ROOT, env=_env_without_interpreter(),
                          capture_output=True, text=True, timeout=1800)
-    tail = [ln for ln in out.stdout.splitlines() if ln.strip()][-1:] or ["(no output)"]
-    return ("passed: " if out.returncode == 0 else "FAILED: ") + tail[0]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    if out.returncode != 0:
+        failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+        raise PartFailed("\n".join([(lines or ["(no output)"])[-1], *failed[:20]]))
+    return "passed: " + (lines or ["(no output)"])[-1]
 
 
 def selection_sweep(sizes, quick: bool) -> list[dict]:
@@ -101,11 +117,11 @@ def selection_sweep(sizes, quick: bool) -> list[dict]:
     return rows
 
 
-def dali_throughput() -> str:
+def dali_throughput(args) -> str:
     try:
         import nvidia.dali  # noqa: F401
     except ImportError:
-        return "not measured: nvidia-dali is not installed here"
+        raise PartFailed("not measured: nvidia-dali is not installed here") from None
     from bench.bench_pipeline import clips_per_second, make_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,13 +136,14 @@ def dali_throughput() -> str:
     return "; ".join(out)
 
 
-def train_run() -> str:
+def train_run(args) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "train.py", "--preset", "tiny", "--device", "cuda", "--amp", "bf16",
                "--steps", "60", "--log-every", "20", "--out", tmp, "--resume", "none"]
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
         if out.returncode != 0:
-            return "FAILED: " + (out.stderr.strip().splitlines() or ["?"])[-1]
+            raise PartFailed("`train.py` exited %d: %s" % (
+                out.returncode, (out.stderr.strip().splitlines() or ["?"])[-1]))
         with open(Path(tmp) / "metrics.csv", newline="") as f:
             last = list(csv.DictReader(f))[-1]
     return (f"`{' '.join(cmd[1:-4])}`: {float(last['clips_per_s']):.0f} clips/s/GPU, step "
@@ -145,22 +162,126 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def section(info, parts: dict, rows: list[dict]) -> str:
-    lines = [f"\n## GPU check, {info['date']}: {info['device']}\n",
-             f"Commit {info['commit']}; {versions()}. Command: `make gpu-check`.\n"]
-    for name, text in parts.items():
-        lines.append(f"- **{name}**: {text}")
-    lines += ["", "Selection (one dictionary, M = k = 128, d = 128, d_h = 512; median of "
-              "`triton.testing.do_bench`, ms; bound plan replayed from one CUDA graph):", "",
-              "| N | view | precision | factors | k-means++ | ms | same picks / same set vs "
-              "first row |", "|---:|---|---|---|---|---:|---|"]
+def header(info) -> str:
+    return (f"\n## GPU check, {info['date']}: {info['device']}\n\n"
+            f"Commit {info['commit']}; {versions()}. Command: `make gpu-check`. Each part below "
+            "was appended when it ended.\n")
+
+
+def sweep_table(rows: list[dict]) -> str:
+    lines = ["Selection (one dictionary, M = k = 128, d = 128, d_h = 512; median of "
+             "`triton.testing.do_bench`, ms; bound plan replayed from one CUDA graph):", "",
+             "| N | view | precision | factors | k-means++ | ms | same picks / same set vs "
+             "first row |", "|---:|---|---|---|---|---:|---|"]
     for r in rows:
         agree = (f"{r['same_picks_vs_first']:.3f} / {r['same_set_vs_first']:.3f}"
                  if "same_picks_vs_first" in r else "")
         ms = f"{r['ms']:.3f}" if "ms" in r else f"failed: {r.get('error', '?')}"
         lines.append(f"| {r['N']} | {r['view']} | {r['precision']} | {r['factors']} | "
                      f"{r['kmeans']} | {ms} | {agree} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
+
+
+def sweep(args) -> str:
+    rows = selection_sweep(args.sizes, args.quick)
+    if rows:
+        info = env_info("cuda")
+        write_csv([{**info, **r} for r in rows], ROOT / "bench" / "results" / "gpu_check.csv")
+    table = sweep_table(rows)
+    if not rows or any("error" in r for r in rows):
+        raise PartFailed(table)
+    return table
+
+
+PARTS = {  # name: (title, function(args) -> Markdown of its figures; PartFailed if it failed)
+    "kernels": ("kernel tests, compiled", kernel_tests),
+    "sweep": ("selection sweep", sweep),
+    "dali": ("DALI GPU decode + augment", dali_throughput),
+    "train": ("train.py, AMP bf16 + channels-last", train_run),
+}
+REPORT_ENV = "GPU_CHECK_REPORT"  # where a part's process writes its figures (Markdown)
+
+
+@dataclass
+class Part:
+    name: str
+    title: str
+    argv: list  # the command that runs this part alone (in a process of its own)
+    rerun: str  # the same, for a person
+    timeout: float = 3600.0
+
+
+def append(path: Path, text: str) -> None:
+    """Append to the results file at once (atomically: a crash never leaves it half-written)."""
+    old = path.read_text() if path.exists() else "# Benchmark results\n"
+    atomic_write_text(path, old + text)
+
+
+def _how_it_ended(rc: int | None, timed_out: bool, timeout: float) -> str:
+    if timed_out:
+        return f"did not finish within {timeout:.0f} s (killed)"
+    if rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"crashed ({name})"
+    return f"failed (exit status {rc})"
+
+
+def run_parts(parts: list[Part], results: Path, head: str) -> list[tuple[str, str]]:
+    """Run each part in its own process, one after another; append ``head`` first and each
+    part's figures (or what went wrong) as soon as it ends. Returns [(name, how it failed)] of
+    the failed parts, after appending a summary that names them and how to rerun each alone."""
+    append(results, head)
+    failed = []
+    for part in parts:
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.md"
+            env = {**os.environ, REPORT_ENV: str(report)}
+            timed_out = False
+            try:
+                rc = subprocess.run(part.argv, cwd=ROOT, env=env, timeout=part.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc, timed_out = None, True
+            text = report.read_text().strip() if report.exists() else ""
+        secs = time.monotonic() - t0
+        if rc == 0:
+            status = f"passed ({secs:.0f} s)"
+        else:
+            status = f"**FAILED**: {_how_it_ended(rc, timed_out, part.timeout)} after {secs:.0f} s"
+            status += f"; rerun alone: `{part.rerun}`"
+            failed.append((part.name, _how_it_ended(rc, timed_out, part.timeout)))
+        body = text or ("(no figures: the part ended before writing them)" if rc else "")
+        append(results, f"\n### {part.title}: {status}\n\n{body}\n")
+        print(f"{part.title}: {status}", flush=True)
+    if failed:
+        lines = [f"- {name}: {how}; rerun alone: `{next(p.rerun for p in parts if p.name == name)}`"
+                 for name, how in failed]
+        summary = "\n**Failed parts** (the others' figures are above):\n\n" + "\n".join(lines)
+    else:
+        summary = f"\nAll {len(parts)} parts passed."
+    append(results, summary + "\n")
+    print(summary.strip(), flush=True)
+    return failed
+
+
+def run_one(name: str, args) -> int:
+    """The body of a part's own process: run it, write its figures where the parent reads them
+    (REPORT_ENV; stdout without it). Exit 0 passed, 1 failed."""
+    title, fn = PARTS[name]
+    try:
+        text, rc = fn(args), 0
+    except PartFailed as e:
+        text, rc = str(e), 1
+    except Exception as e:  # noqa: BLE001 - reported as this part's failure
+        text, rc = f"error: {first_line(e)}", 1
+    dest = os.environ.get(REPORT_ENV)
+    if dest:
+        atomic_write_text(Path(dest), text + "\n")
+    print(f"{title}: {text}", flush=True)
+    return rc
 
 
 def main(argv=None) -> int:
@@ -169,6 +290,8 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
     p.add_argument("--quick", action="store_true", help="two settings per size instead of twelve")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
+    p.add_argument("--part", nargs="+", choices=tuple(PARTS), help="run only these parts")
+    p.add_argument("--one", choices=tuple(PARTS), help=argparse.SUPPRESS)  # a part's process
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("make gpu-check needs a CUDA GPU (torch.cuda.is_available() is False here); on a "
@@ -176,29 +299,17 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)
-    info = env_info("cuda")
-    parts, failed = {}, False
-    for name, fn in (("kernel tests, compiled", kernel_tests),
-                     ("DALI GPU decode + augment", dali_throughput),
-                     ("train.py, AMP bf16 + channels-last", train_run)):
-        try:
-            parts[name] = fn()
-        except Exception as e:  # noqa: BLE001 - one part's failure must not lose the others
-            parts[name] = f"FAILED: {first_line(e)}"
-        failed |= parts[name].startswith("FAILED")
-        print(f"{name}: {parts[name]}", flush=True)
-    try:
-        rows = selection_sweep(args.sizes, args.quick)
-    except Exception as e:  # noqa: BLE001
-        rows, failed = [], True
-        parts["selection sweep"] = f"FAILED: {first_line(e)}"
-    failed |= any("error" in r for r in rows)
-    if rows:
-        write_csv([{**info, **r} for r in rows], ROOT / "bench" / "results" / "gpu_check.csv")
-    path = Path(args.results)
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    atomic_write_text(path, text + section(info, parts, rows))
-    print(f"appended to {path}")
+    if args.one:
+        return run_one(args.one, args)
+    common = (["--sizes", *map(str, args.sizes)] if args.sizes != list(SIZES) else [])
+    common += ["--quick"] if args.quick else []
+    parts = [Part(name, PARTS[name][0], [sys.executable, str(Path(__file__).resolve()), "--one",
+                                         name, *common],
+                  f"python bench/gpu_check.py --part {name} {' '.join(common)}".strip())
+             for name in (args.part or PARTS)]
+    results = Path(args.results)
+    failed = run_parts(parts, results, header(env_info("cuda")))
+    print(f"appended to {results}")
     return 1 if failed else 0
 
 

@@ -4,6 +4,7 @@ initialised), so the method runs unchanged in one process."""
 
 from __future__ import annotations
 
+import inspect
 import zlib
 
 import torch
@@ -20,6 +21,18 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if is_dist() else 0
+
+
+def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """DistributedDataParallel that all-reduces the gradients and never re-broadcasts buffers in
+    forward: the dictionaries, pools and BN statistics are kept in lock-step by the method itself
+    (gathered keys, identical picks), and a per-forward broadcast would cost a copy of the pools
+    each step. torch >= 2.13 names this ``forward_sync_buffers=False`` (``broadcast_buffers`` is
+    deprecated there, with a FutureWarning per rank); older torch only has ``broadcast_buffers``."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if "forward_sync_buffers" in inspect.signature(ddp.__init__).parameters:
+        return ddp(model, forward_sync_buffers=False)
+    return ddp(model, broadcast_buffers=False)
 
 
 @torch.no_grad()

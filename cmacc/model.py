@@ -162,15 +162,17 @@ class CMACC(nn.Module):
                 sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
                 if self.timer:
                     self.timer.stop("select", t0)  # total time of the selection
+                    if side is None:  # in line: the step waited for all of it
+                        self.timer.stop("select_visible", t0)
         if keys is None:
             keys = self._encode_batch_keys(video, audio)
         k_v, k_a, k_v_all, k_a_all = keys
         if active:
-            tw = self.timer.start() if self.timer else None
             if side is not None:  # the step waits here only for what the keys did not hide
+                tw = self.timer.start() if self.timer else None
                 _join(side, sel_v, sel_a)
-            if self.timer:  # visible: the wait (overlap), or the whole selection (in line)
-                self.timer.stop("select_visible", tw if side is not None else t0)
+                if self.timer:  # visible: that wait
+                    self.timer.stop("select_visible", tw)
             self.dict_v.enqueue(sel_v.keys, sel_v.index)
             self.dict_a.enqueue(sel_a.keys, sel_a.index)
             stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2

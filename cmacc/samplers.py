@@ -45,6 +45,7 @@ def selection_seed(base: int, step: int, which: int) -> int:
 
 
 @torch.no_grad()
+@kernels.without_autocast  # OHEM scores and every selection in fp32, also under training AMP
 def select(
     sampler: str,
     *,

@@ -225,12 +225,12 @@ class Trainer:
             model.h_v.to(memory_format=torch.channels_last_3d)
         self.opt = torch.optim.Adam(model.query_parameters(), lr=cfg.optim.lr,
                                     weight_decay=cfg.optim.weight_decay)
+        if cfg.optim.compile:  # in place: state-dict keys unchanged, before the DDP wrap
+            model.f_v.backbone.compile()
+            model.f_a.backbone.compile()
         self.step_fn = model
         if self.world > 1:  # query-encoder gradients all-reduced; buffers kept in lock-step
-            self.step_fn = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        if cfg.optim.compile:
-            model.f_v.backbone = torch.compile(model.f_v.backbone)
-            model.f_a.backbone = torch.compile(model.f_a.backbone)
+            self.step_fn = du.wrap_ddp(model)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.optim.amp == "fp16")
         labels = getattr(self.loader, "labels", None)
         self.labels = labels.to(self.device) if labels is not None else None
@@ -463,7 +463,8 @@ class Trainer:
             gnorm=m["gnorm"], active=float(stats.get("active", 0.0)), fallback=m["fallback"],
             t_data=secs.get("data", 0.0) / n, t_step=secs.get("step", 0.0) / n,
             t_select=secs.get("select", 0.0) / n,
-            t_select_visible=secs.get("select_visible", 0.0) / n,
+            # the step's wait for the selection, at most all of it (docs/ARCHITECTURE.md)
+            t_select_visible=min(secs.get("select_visible", 0.0), secs.get("select", 0.0)) / n,
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
             else float("nan"),
             mem_gb=(torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda"

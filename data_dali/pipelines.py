@@ -119,6 +119,17 @@ def output_names(views, with_video, with_audio) -> list[str]:
     return names
 
 
+def output_device(tl, device: torch.device) -> torch.device:
+    """Where a pipeline output is copied first: a GPU tensor list (decoded, augmented video;
+    audio moved with ``.gpu()``) into memory of ``device``, a CPU one (index, label, params;
+    every output of a CPU pipeline) into host memory, moved afterwards. Told by the list's type:
+    CPU and GPU tensor lists both have ``as_cpu`` (DALI >= 2), and a device-memory destination
+    for a CPU list makes ``feed_ndarray`` write host bytes to a device address."""
+    from nvidia.dali.tensors import TensorListGPU
+
+    return device if isinstance(tl, TensorListGPU) else torch.device("cpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side: the per-sample parameters, one epoch after another
 # ----------------------------------------------------------------------------------------------
@@ -219,8 +230,8 @@ class DaliStream:
         stream = torch.cuda.current_stream(l.device) if l.device.type == "cuda" else None
         for name, tl in zip(self.names, out):
             t = tl.as_tensor()
-            dev = l.device if hasattr(tl, "as_cpu") else torch.device("cpu")  # GPU outputs
-            x = torch.empty(t.shape(), dtype=to_torch_type[t.dtype], device=dev)
+            x = torch.empty(t.shape(), dtype=to_torch_type[t.dtype],
+                            device=output_device(tl, l.device))
             feed_ndarray(t, x, cuda_stream=stream)
             if name in ("index", "label") or name.startswith("params"):
                 x = x.long()

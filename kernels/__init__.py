@@ -15,6 +15,8 @@ defined, i.e. at that first import: set TRITON_INTERPRET=1 before it to run on C
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import os
 
@@ -22,7 +24,7 @@ import torch
 
 from . import reference
 
-__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status"]
+__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast"]
 
 _CHOICES = ("auto", "triton", "reference")
 _TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")
@@ -87,6 +89,24 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton"
 
 
+def without_autocast(op):
+    """The selection computes in fp32 whatever the caller's autocast says: under the trainer's
+    bf16/fp16 autocast the reference's matmuls (logits, the Gram matrix, distances) would
+    otherwise run in half precision and change the picks. The tensor arguments' device types
+    say which autocast to switch off."""
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        types = {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
+        if not any(torch.is_autocast_enabled(t) for t in types if t in ("cpu", "cuda")):
+            return op(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for t in types & {"cpu", "cuda"}:
+                stack.enter_context(torch.autocast(t, enabled=False))
+            return op(*args, **kwargs)
+    return run
+
+
+@without_autocast
 def grad_embed(keys, queries, feats=None, *, tau=1.0, view="head", compress=False):
     """(alpha, beta) fp32 with g_n = alpha_n (x) beta_n; see kernels.reference.grad_embed."""
     if backend_for(keys) == "triton":
@@ -95,6 +115,7 @@ def grad_embed(keys, queries, feats=None, *, tau=1.0, view="head", compress=Fals
     return reference.grad_embed(keys, queries, feats, tau=tau, view=view, compress=compress)
 
 
+@without_autocast
 def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True, beta_c=None, sqn=None):
     """k distinct indices by k-means++ seeding over alpha (x) beta; see reference.kmeanspp."""
     if backend_for(alpha) == "triton":
@@ -104,6 +125,7 @@ def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True, beta_c=None, 
                               beta_c=beta_c, sqn=sqn)
 
 
+@without_autocast
 def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None, validate=True,
            n=None, precision=None, factors="fp32", variant="steps"):
     """One dictionary's active selection: the gradient-embedding factors (Gram route in the

@@ -6,15 +6,18 @@ for a GPU (a plain Python int global is fine in the interpreter and a NameError 
 compiler), nor what the compiled code costs. This module runs the host code of the selection
 path (kernels/triton_grad_embed.py ``embed_into`` and kernels/triton_kmeanspp.py
 ``launch_seeding``, the functions kernels/triton_select.py calls) on CPU tensors of the real
-shapes with every launch *recorded* instead of run; each recorded launch then goes through
+shapes with every launch *recorded* instead of run (and the ``grad_norms`` launch of every active
+step: the uncompressed head-view or queries-view embedding of the M picks); each recorded launch then goes through
 Triton's own argument binder -- the runtime specialisation: integers equal to 1 become
 constants, integers and pointers divisible by 16 get the divisibility attribute, the launch
 options (warps, stages, enable_fp_fusion, cooperative grid) apply -- and the real compiler
 pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin, with the ptxas bundled in the triton wheel).
-The autotuned embedding kernel is compiled for every config that survives pruning. Reported per
-variant: shared memory, registers and spills (ptxas -v):
+Nothing is autotuned: each launch has the one configuration the trainer uses
+(kernels/triton_grad_embed.py ``embed_config``), so what compiles here is what every rank runs.
+Identical kernels (same source, constants, specialisation and options) are compiled once.
+Reported per variant: shared memory, registers and spills (ptxas -v):
 
-    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--n 38400] [--m 128] [--markdown]
+    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--n 38400] [--m 16 32 64 128 256] [--markdown]
 
 No CUDA driver or device is needed. TRITON_INTERPRET must be unset/0 *before* the Triton modules
 are imported: Triton decides between interpreter and compiler when a kernel is defined.
@@ -48,26 +51,17 @@ def _modules():
 
 @contextlib.contextmanager
 def _recording(kernels):
-    """Within the block, launching any of ``kernels`` (JITFunction or Autotuner) appends
-    (jit function, args, kwargs) to the yielded list instead of running; an autotuned kernel
-    records one entry per config that survives its pruning."""
+    """Within the block, launching any of ``kernels`` (JITFunctions) appends (jit function, args,
+    kwargs) to the yielded list instead of running."""
     calls = []
 
-    def jit_recorder(fn):
+    def recorder(fn):
         def run(*args, grid, warmup, **kwargs):
             calls.append((fn, args, kwargs))
         return run
 
-    def tuner_recorder(tuner):
-        def run(*args, grid=None, warmup=False, **kwargs):
-            tuner.nargs = dict(zip(tuner.arg_names, args))
-            for cfg in tuner.prune_configs(kwargs):
-                calls.append((tuner.fn, args, {**kwargs, **cfg.all_kwargs()}))
-            tuner.nargs = None
-        return run
-
     for k in kernels:
-        k.run = tuner_recorder(k) if hasattr(k, "configs") else jit_recorder(k)
+        k.run = recorder(k)
     try:
         yield calls
     finally:
@@ -106,12 +100,15 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
                       gram=gram, precision=precision)
         km.launch_seeding(alpha, beta, beta if beta_c is None else beta_c, sqn, dmin, excl, n_t,
                           picks, seed_t, ps, pi, bar, k, cfg, variant)
+        # cmacc.samplers.grad_norms on the k picks: the per-call, uncompressed embedding
+        ge.grad_embed_triton_with_norms(keys[:k], queries, torch.zeros(m, dh), view=view,
+                                        precision=precision)
     return calls
 
 
-def _compile_call(fn, args, kwargs, target):
-    """Compile one recorded launch through Triton's runtime binder (its specialisation rules)."""
-    import triton
+def _bind(fn, args, kwargs, target):
+    """One recorded launch through Triton's runtime binder (its specialisation rules): the
+    source to compile and its options."""
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
@@ -120,7 +117,14 @@ def _compile_call(fn, args, kwargs, target):
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
                                                           specialization, options)
-    src = ASTSource(fn, signature, constexprs, attrs)
+    return ASTSource(fn, signature, constexprs, attrs), options, signature, constexprs
+
+
+def _compile_call(fn, args, kwargs, target):
+    """Compile one recorded launch as the runtime would."""
+    import triton
+
+    src, options, signature, constexprs = _bind(fn, args, kwargs, target)
     return triton.compile(src, target=target, options=options.__dict__), signature, constexprs
 
 
@@ -154,38 +158,42 @@ def _describe(fn, kwargs, constexprs, args) -> str:
     return f"{name} " + " ".join(parts)
 
 
-def compile_selection(arch=90, *, n=38400, m=128, d=128, dh=512, k=128,
+def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
                       views=("head", "queries"), precisions=("ieee", "tf32x3", "tf32"),
                       factors=("fp32", "bf16"), variants=("steps", "persistent"),
                       ptxas_info=False) -> list[dict]:
-    """Compile every distinct kernel variant the selection path launches for these settings;
-    returns [{name, shared, info, settings}]. Raises on the first variant that does not compile
-    (the error names it)."""
+    """Compile every distinct kernel variant the trainer launches for these settings (k = M:
+    the selection, its k-means++ variant and the grad_norms embedding); returns [{name, shared,
+    info, settings}]. Raises on the first variant that does not compile (the error names it)."""
+    import triton
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
     seen, out = set(), []
-    for view in views:
-        for prec in precisions:
-            for fac in factors:
-                for var in variants:
-                    calls = record_selection(n, m, d, dh, k, view=view, precision=prec,
-                                             factors=fac, variant=var, sms=SMS.get(arch, 132))
-                    for fn, args, kwargs in calls:
-                        try:
-                            ck, sig, consts = _compile_call(fn, args, kwargs, target)
-                        except Exception as e:  # name the variant; the compiler's message follows
-                            raise RuntimeError(
-                                f"{fn.__name__} ({view}, {prec}, {fac}, {var}): does not compile "
-                                f"for sm_{arch}: {e}") from e
-                        key = (fn.__name__, ck.hash if hasattr(ck, "hash") else ck.asm["ptx"])
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        info = _ptxas_info(ck.asm["ptx"], arch) if ptxas_info else ""
-                        out.append(dict(name=_describe(fn, kwargs, consts, args),
-                                        shared=ck.metadata.shared, info=info,
-                                        settings=f"{view}/{prec}/{fac}/{var}"))
+    for m in ms:
+        for view in views:
+            for prec in precisions:
+                for fac in factors:
+                    for var in variants:
+                        settings = f"M={m} {view}/{prec}/{fac}/{var}"
+                        calls = record_selection(n, m, d, dh, m, view=view, precision=prec,
+                                                 factors=fac, variant=var,
+                                                 sms=SMS.get(arch, 132))
+                        for fn, args, kwargs in calls:
+                            src, options, _, consts = _bind(fn, args, kwargs, target)
+                            key = (src.hash(), repr(sorted(options.__dict__.items())))
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            try:
+                                ck = triton.compile(src, target=target, options=options.__dict__)
+                            except Exception as e:  # name the variant; the compiler's message
+                                raise RuntimeError(f"{fn.__name__} ({settings}): does not "
+                                                   f"compile for sm_{arch}: {e}") from e
+                            info = _ptxas_info(ck.asm["ptx"], arch) if ptxas_info else ""
+                            out.append(dict(name=_describe(fn, kwargs, consts, args),
+                                            shared=ck.metadata.shared, info=info,
+                                            settings=settings))
     return out
 
 
@@ -194,14 +202,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
     p.add_argument("--n", type=int, default=38400, help="pool capacity")
-    p.add_argument("--m", type=int, default=128, help="batch M (pseudo-labels, k)")
+    p.add_argument("--m", type=int, nargs="+", default=[16, 32, 64, 128, 256],
+                   help="batch sizes M (pseudo-labels, k = M)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table (bench/RESULTS.md)")
     args = p.parse_args(argv)
     limit = SHARED_LIMIT.get(args.arch, 101376)
-    rows = compile_selection(args.arch, n=args.n, m=args.m, k=args.m, ptxas_info=True)
+    rows = compile_selection(args.arch, n=args.n, ms=tuple(args.m), ptxas_info=True)
     bad = 0
     if args.markdown:
-        print("| kernel variant | first seen in (view/precision/factors/k-means) | shared B | "
+        print("| kernel variant | first seen in (M view/precision/factors/k-means++) | shared B | "
               "ptxas -v |")
         print("|---|---|---:|---|")
     for r in rows:

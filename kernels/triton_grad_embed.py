@@ -22,7 +22,8 @@ size (chunked loops, masked).
 tl.dot precision (``precision=`` or CMACC_DOT_PRECISION): ieee (default: true fp32 products,
 ~1e-6 relative to the reference) | tf32x3 (NVIDIA tensor cores, ~fp32 accuracy, faster) | tf32
 (fastest, ~1e-3 relative; may flip near-tied pseudo-labels). The precision is a compile-time
-constant and part of the autotuning key. Compiled with ``enable_fp_fusion=False``.
+constant. The launch configuration is pinned per shape (``embed_config``), never autotuned, so
+every rank computes the same bits. Compiled with ``enable_fp_fusion=False``.
 """
 
 from __future__ import annotations
@@ -57,28 +58,45 @@ def precision_of(precision: str | None = None) -> str:
     return "ieee" if INTERPRETED else choice
 
 
-def _grad_embed_configs() -> list:
-    """Autotuning space: rows per program x warps, kept small (each config is a compile of a
-    few seconds on the first call per (M, d, d_h, view)). sm_90 offline compile (kernels/_aot.py):
-    all fit shared memory at M <= 256; BLOCK_N = 64 with 4 warps spills at M = 128, so it is not
-    offered. Exactly one config under the interpreter (it cannot benchmark several), with large
-    tiles because it is slow per program."""
+# One launch configuration per shape, the same in every process: the ranks of a run must compute
+# bit-identical factors (their picks are compared), and configs that differ in rows per program
+# compile to different MMA layouts and summation orders. So nothing is autotuned at run time; the
+# table below was chosen offline from the sm_90 compile (kernels/_aot.py, registers and spill
+# stores reported by ptxas for every candidate; bench/RESULTS.md): the most rows per program that
+# compile without spilling, keeping the [BLOCK_N, BLOCK_M] fp32 logit/residual tiles <= 8K
+# elements. CMACC_EMBED_CONFIG="BLOCK_N,num_warps" overrides it (benchmarks; set it on every rank).
+EMBED_CANDIDATES = ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))
+
+
+def embed_config(m: int, view: str, gram: bool, precision: str,
+                 factors: str = "fp32") -> tuple[int, int]:
+    """(BLOCK_N, num_warps) of the embedding kernel for M pseudo-labels: a pure function of the
+    launch's shape and settings (module comment above). ``view`` and ``gram`` are part of the
+    key although the table does not need them today. The interpreter runs 64-row programs (it is
+    slow per program and has no registers to spill)."""
+    env = os.environ.get("CMACC_EMBED_CONFIG", "").strip()
+    if env:
+        try:
+            bn, nw = (int(x) for x in env.split(","))
+        except ValueError:
+            raise ValueError(f"CMACC_EMBED_CONFIG={env!r}: expected 'BLOCK_N,num_warps', e.g. "
+                             "'32,8'") from None
+        if bn not in (16, 32, 64, 128) or nw not in (1, 2, 4, 8, 16):
+            raise ValueError(f"CMACC_EMBED_CONFIG={env!r}: BLOCK_N must be 16, 32, 64 or 128 "
+                             "and num_warps 1, 2, 4, 8 or 16")
+        return bn, nw
     if INTERPRETED:
-        return [triton.Config({"BLOCK_N": 64}, num_warps=4)]
-    return [triton.Config({"BLOCK_N": bn}, num_warps=nw, num_stages=2)
-            for bn, nw in ((16, 4), (32, 4), (32, 8), (64, 8))]
+        return 64, 4
+    small = max(16, triton.next_power_of_2(m)) <= 128
+    if precision == "tf32":
+        return (64, 8) if small else (32, 8)
+    if factors == "bf16":  # the bf16 stores of 32- and 64-row tiles spill at M = 128
+        return 16, 8
+    if small:
+        return 64, 8
+    return (16, 8) if precision == "tf32x3" else (32, 8)  # M = 256: the least spill
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep the [BLOCK_N, BLOCK_M] fp32 logit/residual tiles at <= 8K elements (register
-    budget); BLOCK_N = 16 always survives."""
-    block_m = {**named_args, **kwargs}["BLOCK_M"]
-    kept = [c for c in configs if c.kwargs["BLOCK_N"] * block_m <= 8192]
-    return kept or [c for c in configs if c.kwargs["BLOCK_N"] == 16][:1] or configs[:1]
-
-
-@triton.autotune(configs=_grad_embed_configs(), key=["M", "D", "DH", "HEAD", "GRAM", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _grad_embed_kernel(
     k_ptr, q_ptr, f_ptr, alpha_ptr, beta_ptr, betac_ptr, sqn_ptr, n_ptr,
@@ -138,15 +156,27 @@ def _grad_embed_kernel(
     mask_nm = mask_n[:, None] & mask_m[None, :]
 
     if HEAD and GRAM:
-        # -- beta = r / tau;  betac = r G / tau  (G = H H^T [M, M], one [BLOCK_M, BLOCK_M] tile:
-        #    the host takes this route only for M <= GRAM_MAX_M) --------------------------------
+        # -- beta = r / tau;  betac = r G / tau  (G = H H^T [M, M]: the host takes this route only
+        #    for M <= GRAM_MAX_M), G in column chunks of BLOCK_H: a whole [BLOCK_M, BLOCK_M] fp32
+        #    tile next to the softmax tiles spills registers in ieee precision. beta is stored,
+        #    then read back chunk by chunk (rounded as stored) for sqn = |k|^2 beta . betac ------
         beta = tl.math.div_rn(r, tau).to(b_ty)
         tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_m[None, :], beta, mask=mask_nm)
-        g = tl.load(f_ptr + offs_m[:, None] * stride_fm + offs_m[None, :] * stride_fh,
-                    mask=mask_m[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
-        bc = tl.math.div_rn(tl.dot(r, g, input_precision=PRECISION), tau).to(b_ty)
-        tl.store(betac_ptr + offs_n64[:, None] * stride_bcn + offs_m[None, :], bc, mask=mask_nm)
-        sqn = k_sq * tl.sum(beta.to(tl.float32) * bc.to(tl.float32), axis=1)
+        tl.debug_barrier()  # the program's beta stores are visible to all its threads
+        b_dot = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for c0 in range(0, M, BLOCK_H):
+            offs_c = c0 + tl.arange(0, BLOCK_H)
+            mask_c = offs_c < M
+            mask_nc = mask_n[:, None] & mask_c[None, :]
+            g = tl.load(f_ptr + offs_m[:, None] * stride_fm + offs_c[None, :] * stride_fh,
+                        mask=mask_m[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+            bc = tl.math.div_rn(tl.dot(r, g, input_precision=PRECISION), tau).to(b_ty)
+            tl.store(betac_ptr + offs_n64[:, None] * stride_bcn + offs_c[None, :], bc,
+                     mask=mask_nc)
+            bt = tl.load(beta_ptr + offs_n64[:, None] * stride_bn + offs_c[None, :],
+                         mask=mask_nc, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H]
+            b_dot += tl.sum(bt * bc.to(tl.float32), axis=1)
+        sqn = k_sq * b_dot
     elif HEAD:
         # -- beta = r F / tau over d_h in chunks (F: H [M, d_h], or R_H^T when compressed) ----
         b_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -188,16 +218,18 @@ def embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, *, tau, view, gr
     dh = f.shape[1]
     bc = beta if beta_c is None else beta_c
     block_d = 128 if INTERPRETED else 64
-    grid = lambda meta: (triton.cdiv(cap, meta["BLOCK_N"]),)  # noqa: E731
-    _grad_embed_kernel[grid](
+    prec = precision_of(precision)
+    factors = "bf16" if alpha.dtype == torch.bfloat16 else "fp32"
+    block_n, warps = embed_config(m, view, gram, prec, factors)
+    block_h = max(16, min(block_d, triton.next_power_of_2(m if gram else dh)))
+    _grad_embed_kernel[(triton.cdiv(cap, block_n),)](
         keys, queries, f, alpha, beta, bc, sqn, n_t,
         cap, m, d, dh, float(tau),
         keys.stride(0), keys.stride(1), queries.stride(0), queries.stride(1),
         f.stride(0), f.stride(1), alpha.stride(0), beta.stride(0), bc.stride(0),
-        HEAD=head, GRAM=gram, BLOCK_M=max(16, triton.next_power_of_2(m)),
-        BLOCK_D=max(16, min(block_d, triton.next_power_of_2(d))),
-        BLOCK_H=max(16, min(block_d, triton.next_power_of_2(dh))),
-        PRECISION=precision_of(precision), enable_fp_fusion=False,
+        HEAD=head, GRAM=gram, BLOCK_N=block_n, BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_D=max(16, min(block_d, triton.next_power_of_2(d))), BLOCK_H=block_h,
+        PRECISION=prec, num_warps=warps, num_stages=2, enable_fp_fusion=False,
     )
 
 

@@ -60,7 +60,7 @@ def main(out):
     model = CMACC(*method_configs(sampler="random", **CFG))
     eval_bn(model)
     model.shuffle_bn = False
-    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = du.wrap_ddp(model)
     loss, _ = ddp(v[r * per:(r + 1) * per], a[r * per:(r + 1) * per], idx[r * per:(r + 1) * per],
                   step=0)
     loss.backward()
@@ -72,7 +72,7 @@ def main(out):
     # 2. lock-step active sampling with shuffle-BN on, train-mode BN, rank-local seeds differ
     torch.manual_seed(1)
     model = CMACC(*method_configs(sampler="active", **CFG))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    ddp = du.wrap_ddp(model)
     opt = torch.optim.Adam(model.query_parameters(), lr=1e-3)
     torch.manual_seed(1000 + r)  # different local RNG streams must not matter
     selected = []

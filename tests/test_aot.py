@@ -24,6 +24,7 @@ def _run(code: str) -> str:
 @pytest.mark.parametrize("settings", [
     "views=('head',), precisions=('ieee', 'tf32x3'), factors=('fp32', 'bf16')",
     "views=('queries',), precisions=('tf32',), factors=('fp32',)",
+    "ms=(16, 256), precisions=('ieee',), factors=('fp32',), variants=('steps',)",
 ])
 def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
     pytest.importorskip("triton.backends.nvidia")
@@ -32,9 +33,9 @@ def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
                "assert all(r['shared'] <= a.SHARED_LIMIT[90] for r in rs), rs; "
                "print(sorted({r['name'].split()[0] for r in rs}))")
     # the embedding kernel, both k-means++ step kernels (first and later steps share a name),
-    # the last pick, and the persistent single-launch variant
+    # the last pick, and the persistent single-launch variant where it is asked for
     assert "'grad_embed'" in out and "'kmeanspp_step'" in out and "'kmeanspp_pick'" in out
-    assert "'kmeanspp_persistent'" in out
+    assert ("'kmeanspp_persistent'" in out) == ("variants=" not in settings)
 
 
 def test_compiled_launches_get_the_runtime_specialisation():
@@ -52,9 +53,46 @@ def test_compiled_launches_get_the_runtime_specialisation():
         "names = {fn.arg_names[p[0]]: v for p, v in consts.items()}\n"
         "print('kd', names.get('stride_kd'), 'fusion', ck.metadata.enable_fp_fusion)\n"
         "print('D', sig['D'], 'div16', '(9,)' in str(ck.src.attrs) or 'tt.divisibility' in str(ck.asm['ttir']))\n"
-        "fn, args, kw = calls[-1]\n"
+        "fn, args, kw = next(c for c in calls if c[0].__name__ == '_kmeanspp_persistent_kernel')\n"
         "ck, sig, consts = a._compile_call(fn, args, kw, GPUTarget('cuda', 90, 32))\n"
         "print(fn.__name__, 'coop', ck.metadata.launch_cooperative_grid)\n")
     assert "kd 1 fusion False" in out, out
     assert "div16 True" in out, out
     assert "_kmeanspp_persistent_kernel coop True" in out, out
+
+
+def test_the_default_selection_compiles_without_spills():
+    """The default setting (M = 128, ieee, fp32 factors, per-step k-means++), both views, the
+    grad_norms launch included: ptxas reports no spill store in any kernel."""
+    pytest.importorskip("triton.backends.nvidia")
+    out = _run("import kernels._aot as a\n"
+               "rs = a.compile_selection(90, precisions=('ieee',), factors=('fp32',), "
+               "variants=('steps',), ptxas_info=True)\n"
+               "for r in rs: print(r['name'], '|', r['info'])\n")
+    rows = out.strip().splitlines()
+    assert len(rows) >= 6 and any(r.startswith("grad_embed HEAD=True GRAM=False") for r in rows)
+    assert all("0 bytes spill stores" in r for r in rows), out
+
+
+def test_every_embedding_launch_has_one_configuration_the_same_in_every_process():
+    """Ranks must compute bit-identical factors: the embedding kernel is not autotuned (a timing
+    on each rank could pick a different tile, and so a different summation order), its launch
+    configuration is a function of the shape alone. Two processes (two ranks) record the
+    launches of every M, view and precision the trainer can use and get the same list."""
+    pytest.importorskip("triton.backends.nvidia")
+    code = ("import kernels._aot as a\n"
+            "from kernels import triton_grad_embed as ge\n"
+            "assert not hasattr(ge._grad_embed_kernel, 'configs'), 'autotuned'\n"
+            "for m in (16, 32, 64, 128, 256):\n"
+            "  for view in ('head', 'queries'):\n"
+            "    for prec in ('ieee', 'tf32x3', 'tf32'):\n"
+            "     for fac in ('fp32', 'bf16'):\n"
+            "      calls = [c for c in a.record_selection(38400, m, 128, 512, m, view=view, "
+            "precision=prec, factors=fac) if c[0] is ge._grad_embed_kernel]\n"
+            "      assert len(calls) == 2, len(calls)  # the selection and grad_norms\n"
+            "      for (fn, args, kw), f in zip(calls, (fac, 'fp32')):  # grad_norms: fp32\n"
+            "        want = ge.embed_config(m, view, kw['GRAM'], prec, f)\n"
+            "        assert (kw['BLOCK_N'], kw['num_warps']) == want, (kw, want)\n"
+            "        print(m, view, prec, f, kw['GRAM'], kw['BLOCK_N'], kw['num_warps'])\n")
+    first, second = _run(code), _run(code)
+    assert first == second and len(first.splitlines()) == 5 * 2 * 3 * 2 * 2

@@ -93,3 +93,23 @@ def test_prefetch_is_checked():
     for bad in (0, -1, 65, 2.0):
         with pytest.raises(ValueError, match="prefetch"):
             data_dali.loader.LoaderConfig(batch_size=1, prefetch=bad)
+
+
+def test_cpu_outputs_of_a_pipeline_are_copied_to_host_memory_whatever_the_device(manifest):
+    """On a GPU pipeline the index, label and params outputs stay CPU tensor lists; they must be
+    copied into host memory and moved afterwards (a device-memory destination makes DALI write
+    host bytes to a device address: a segmentation fault). Told by the list's type, not by an
+    attribute both kinds have. The outputs of a real (CPU) pipeline, asked for device cuda."""
+    from nvidia.dali.tensors import TensorListCPU
+
+    from data_dali.pipelines import output_device
+
+    loader = _loader(manifest)
+    loader.set_epoch(0)
+    next(iter(loader))  # builds the pipeline
+    out = loader._stream.pipe.run()
+    assert len(out) == len(loader._stream.names) >= 3
+    cuda = torch.device("cuda", 0)
+    for tl in out:
+        assert isinstance(tl, TensorListCPU) and hasattr(tl, "as_cpu")
+        assert output_device(tl, cuda) == torch.device("cpu")

@@ -2,6 +2,7 @@
 same global batch, ranks stay in lock-step (selected indices, dictionaries, weights), a
 diverged rank is caught; train.py runs under torchrun; SIGTERM saves and exits cleanly."""
 
+import csv
 import json
 import os
 import signal
@@ -58,12 +59,18 @@ def test_diverged_rank_is_caught(worker):
 
 def test_torchrun_train_tiny(tmp_path):
     out = tmp_path / "run"
-    _run(TORCHRUN + ["train.py", "--preset", "tiny", "--clips", "96", "--classes", "6",
-                     "--steps", "12", "--log-every", "4", "--out", str(out)])
+    p = _run(TORCHRUN + ["train.py", "--preset", "tiny", "--clips", "96", "--classes", "6",
+                         "--steps", "12", "--log-every", "4", "--sampler", "active",
+                         "--out", str(out)])
     state = ckpt.load(out / "ckpt_00000012.pt")
     assert state["step"] == 12
-    rows = (out / "metrics.csv").read_text().strip().splitlines()
-    assert len(rows) == 1 + 3  # header + 3 log intervals, written by rank 0 only
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3  # 3 log intervals, written by rank 0 only
+    assert "FutureWarning" not in p.stderr and "DeprecationWarning" not in p.stderr, p.stderr[-2000:]
+    # the step's wait for the selection never exceeds the selection's time
+    assert any(float(r["active"]) > 0 and float(r["t_select"]) > 0 for r in rows), rows
+    assert all(0 <= float(r["t_select_visible"]) <= float(r["t_select"]) for r in rows), rows
 
 
 def test_batch_must_divide_over_ranks(tmp_path):

@@ -22,14 +22,51 @@ def test_without_a_gpu_it_names_the_fix(capsys, tmp_path):
     assert not results.exists()  # nothing appended
 
 
-def test_section_lists_every_row_with_device_versions_and_commit():
-    info = dict(date="2026-11-23", device="NVIDIA H100 80GB HBM3", commit="abc123")
+def test_sweep_table_lists_every_measured_and_failed_row():
     rows = [dict(N=38400, view="head", precision="ieee", factors="fp32", kmeans="steps",
                  ms=0.91, same_picks_vs_first=1.0, same_set_vs_first=1.0),
             dict(N=38400, view="head", precision="tf32", factors="bf16", kmeans="persistent",
                  error="out of memory")]
-    text = gpu_check.section(info, {"kernel tests, compiled": "passed: 120 passed"}, rows)
-    assert "## GPU check, 2026-11-23: NVIDIA H100 80GB HBM3" in text and "abc123" in text
+    text = gpu_check.sweep_table(rows)
     assert "| 38400 | head | ieee | fp32 | steps | 0.910 | 1.000 / 1.000 |" in text
     assert "| 38400 | head | tf32 | bf16 | persistent | failed: out of memory |  |" in text
-    assert "**kernel tests, compiled**: passed: 120 passed" in text
+    head = gpu_check.header(dict(date="2026-11-23", device="NVIDIA H100 80GB HBM3",
+                                 commit="abc123"))
+    assert "## GPU check, 2026-11-23: NVIDIA H100 80GB HBM3" in head and "abc123" in head
+
+
+def _part(name, code, timeout=60.0):
+    return gpu_check.Part(name, f"part {name}", [sys.executable, "-c", code],
+                          f"python bench/gpu_check.py --part {name}", timeout)
+
+
+def test_a_crashing_part_loses_no_other_parts_figures(tmp_path):
+    """Each part runs in its own process and its figures are appended as soon as it ends: a
+    part that dies of a segmentation fault, one that hangs past its limit and one that fails
+    cost only their own figures; the summary names each with the command that reruns it."""
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nolder figures\n")
+    report = f"open(os.environ[{gpu_check.REPORT_ENV!r}], 'w').write"
+    seen = tmp_path / "seen_by_the_crashing_part.md"
+    parts = [
+        _part("first", f"import os; {report}('first figure: 41.5 clips/s')"),
+        _part("crash", "import os, shutil, signal; "
+              f"shutil.copy({str(results)!r}, {str(seen)!r}); os.kill(os.getpid(), signal.SIGSEGV)"),
+        _part("hang", "import time; time.sleep(60)", timeout=2.0),
+        _part("fails", f"import os, sys; {report}('3 failed, 10 passed'); sys.exit(1)"),
+        _part("last", f"import os; {report}('last figure: 0.42 ms')"),
+    ]
+    failed = gpu_check.run_parts(parts, results, "\n## GPU check, today: a GPU\n")
+    text = results.read_text()
+    assert [name for name, _ in failed] == ["crash", "hang", "fails"]
+    assert "first figure: 41.5 clips/s" in seen.read_text()  # appended before the crash
+    assert text.startswith("# Benchmark results\n\nolder figures\n\n## GPU check, today")
+    assert "### part first: passed" in text and "### part last: passed" in text
+    assert "last figure: 0.42 ms" in text and "3 failed, 10 passed" in text
+    assert "### part crash: **FAILED**: crashed (SIGSEGV)" in text
+    assert "### part hang: **FAILED**: did not finish within 2 s (killed)" in text
+    assert "### part fails: **FAILED**: failed (exit status 1)" in text
+    summary = text[text.index("**Failed parts**"):]
+    for name in ("crash", "hang", "fails"):
+        assert f"- {name}: " in summary and f"`python bench/gpu_check.py --part {name}`" in summary
+    assert "first" not in summary and "last" not in summary

@@ -202,6 +202,41 @@ def test_ohem_picks_the_highest_pseudo_label_losses():
     assert sorted(sel.index.tolist()) == sorted(index[want].tolist())
 
 
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the input dtypes of every matrix product that runs inside the block."""
+
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+                torch.ops.aten.mv.default, torch.ops.aten.dot.default}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.PRODUCTS:
+            self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+@pytest.mark.parametrize("view", ["head", "queries"])
+def test_selection_computes_in_fp32_under_the_training_autocast(sampler, view):
+    """The trainer runs the model's forward (and so the selection) under bf16/fp16 autocast;
+    every product of the selection must still run in fp32, and the picks, keys and gradient
+    norms equal those of a call without autocast."""
+    keys, index, queries, feats = _pool(n=60, m=6, d=8, dh=12, seed=4)
+    args = dict(pool_keys=keys, pool_index=index, dict_index=index[:7], queries=queries,
+                feats=feats, m=6, seed=5, view=view)
+    want = select(sampler, **args)
+    with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as mode:
+        got = select(sampler, **args)
+    assert mode.seen, "no matrix product recorded"
+    assert all(dt == torch.float32 for dts in mode.seen for dt in dts), mode.seen
+    assert torch.equal(got.index, want.index)
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.gnorm, want.gnorm)
+
+
 def test_sampler_drops_exclusion_when_too_few_candidates_remain():
     keys, index, queries, feats = _pool(n=8)
     sel = select("active", pool_keys=keys, pool_index=index, dict_index=index[:6],

@@ -42,6 +42,14 @@ def _reference_picks(keys, queries, feats, k, seed, view, exclude):
 @pytest.fixture(autouse=True)
 def _fresh_plans(monkeypatch):
     monkeypatch.setenv("CMACC_KERNELS", "triton")  # the plan path, also on CPU tensors
+    real = kernels.backend_for
+
+    def on_declared_device(t):  # a tensor built off DEV would fail far from its cause
+        assert t.device.type == DEV, (f"this test declares device {DEV!r} but handed the kernels "
+                                      f"a {t.device} tensor: build its model and inputs on DEV")
+        return real(t)
+
+    monkeypatch.setattr(kernels, "backend_for", on_declared_device)
     ts.clear_plans()
     yield
     ts.clear_plans()
@@ -67,9 +75,8 @@ def test_a_growing_pool_runs_in_one_plan_and_equals_the_unpadded_reference(view)
     assert plan.replays == (4 if DEV == "cuda" else 0)
 
 
-def test_the_model_selects_from_one_plan_while_its_pool_fills(monkeypatch):
-    """Through the method, on the Triton path: the rolling pool fills over the steps and the
-    active sampler runs at several fill levels, all from one plan per pool buffer (U_v, U_a)."""
+def _tiny_active_model(device):
+    """A tiny CM-ACC model with the active sampler and 8 steps of inputs, all on ``device``."""
     from cmacc.config import method_configs
     from cmacc.model import CMACC
 
@@ -77,13 +84,31 @@ def test_the_model_selects_from_one_plan_while_its_pool_fills(monkeypatch):
                                     video_layers=(1, 1, 1, 1), audio_width=4,
                                     audio_layers=(1, 1, 1, 1), fcl_dim=16, dim=8, sampler="active")
     torch.manual_seed(0)
-    model = CMACC(model_cfg, sel)
+    model = CMACC(model_cfg, sel).to(device)
     g = torch.Generator().manual_seed(1)
+    steps = [(torch.randn(4, 3, 4, 16, 16, generator=g).to(device),
+              torch.randn(4, 80, 20, generator=g).to(device),
+              (torch.arange(4) + 4 * step).to(device)) for step in range(8)]
+    return model, steps
+
+
+def test_the_plan_tests_build_on_their_declared_device():
+    """On a GPU machine the plan tests run the compiled kernels, which take CUDA tensors only: a
+    model or input left on the CPU there fails in the dispatch. Checked here with a device that
+    is not the CPU."""
+    model, steps = _tiny_active_model("meta")
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"meta"}
+    assert {t.device.type for batch in steps for t in batch} == {"meta"}
+
+
+def test_the_model_selects_from_one_plan_while_its_pool_fills():
+    """Through the method, on the Triton path: the rolling pool fills over the steps and the
+    active sampler runs at several fill levels, all from one plan per pool buffer (U_v, U_a)."""
+    model, steps = _tiny_active_model(DEV)
     fills = []
-    for step in range(8):
-        video, audio = torch.randn(4, 3, 4, 16, 16, generator=g), torch.randn(4, 80, 20, generator=g)
+    for step, (video, audio, index) in enumerate(steps):
         with torch.no_grad():
-            _, stats = model(video, audio, torch.arange(4) + 4 * step, step=step)
+            _, stats = model(video, audio, index, step=step)
         if float(stats["active"]):
             fills.append(model.pool_v.count)
     assert len(set(fills)) > 1, fills  # selections at several fill levels

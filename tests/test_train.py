@@ -25,6 +25,10 @@ def test_short_run_learns(tmp_path):
     last = sum(float(r["loss"]) for r in rows[-3:]) / 3
     assert last < first - 0.1, (first, last)
     assert float(rows[-1]["active"]) == 1.0  # the active sampler was running at the end
+    # the step's wait for the selection never exceeds the selection's time (in line on CPU:
+    # they are equal)
+    assert all(0 <= float(r["t_select_visible"]) <= float(r["t_select"]) for r in rows)
+    assert float(rows[-1]["t_select_visible"]) == pytest.approx(float(rows[-1]["t_select"]))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and (out / "metrics.png").exists()
     waits = [float(r["data_wait"]) for r in rows]  # share of wall time spent waiting for data
@@ -43,6 +47,23 @@ def test_resume_equals_uninterrupted(tmp_path, extra):
     assert sa.keys() == sb.keys()
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_compiled_run_resumes_uncompiled_and_evaluates(tmp_path):
+    """--compile (CPU inductor here) compiles the backbones in place: the checkpoint's keys are
+    the uncompiled model's, so the run resumes without --compile (and the reverse) and
+    cmacc.apps.eval reads it."""
+    from cmacc.apps import eval as ev
+
+    out = tmp_path / "run"
+    small = ["--preset", "tiny", "--clips", "48", "--classes", "4", "--log-every", "1"]
+    train.main(small + ["--steps", "2", "--compile", "--out", str(out)])
+    plain = ckpt.load(out / "ckpt_00000002.pt")["model"]
+    assert not [k for k in plain if "_orig_mod" in k]
+    train.main(small + ["--steps", "3", "--out", str(out), "--resume", "auto"])
+    train.main(small + ["--steps", "4", "--compile", "--out", str(out), "--resume", "auto"])
+    assert ckpt.load(out / "ckpt_00000004.pt")["model"].keys() == plain.keys()
+    assert ev.main([str(out), "--modality", "audio"]) == 0
 
 
 def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
