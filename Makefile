@@ -26,7 +26,8 @@ bench: install
 	$(PY) bench/bench_kmeanspp.py --sizes 4096 38400
 
 # CUDA machines: compiled kernel tests, selection sweep, DALI GPU decode, a short GPU training
-# run; appends a dated table to bench/RESULTS.md
+# run, each in its own process; each part's figures are appended to bench/RESULTS.md as it ends
+# (one part alone: .venv/bin/python bench/gpu_check.py --part kernels|sweep|dali|train)
 gpu-check: install
 	$(PY) bench/gpu_check.py
 

@@ -197,6 +197,44 @@ def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
     return out
 
 
+def scan_embed_configs(arch=90, *, n=38400, ms=(16, 32, 64, 128, 256), d=128, dh=512):
+    """Spill stores (bytes, from ptxas) of every candidate launch configuration of the embedding
+    kernel (triton_grad_embed.EMBED_CANDIDATES), for both of its launches (the selection's and
+    grad_norms'), every M, view, precision and factor dtype: the evidence behind
+    ``embed_config``. Yields (M, view, gram, precision, factors, {(BLOCK_N, warps): spill},
+    the pinned config)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+
+    ge, _ = _modules()
+    target = GPUTarget("cuda", arch, 32)
+    seen = set()
+    for m in ms:
+        block_m = max(16, 1 << (m - 1).bit_length())
+        for view in ("head", "queries"):
+            for prec in ("ieee", "tf32x3", "tf32"):
+                for fac in ("fp32", "bf16"):
+                    calls = [c for c in record_selection(n, m, d, dh, m, view=view,
+                                                         precision=prec, factors=fac)
+                             if c[0] is ge._grad_embed_kernel]
+                    for (fn, args, kw), f in zip(calls, (fac, "fp32")):  # grad_norms: fp32
+                        key = (m, view, kw["GRAM"], prec, f)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        spills = {}
+                        for bn, nw in ge.EMBED_CANDIDATES:
+                            if bn * block_m > 8192 and bn > 16:
+                                continue  # the fp32 logit tile's register budget
+                            ck, _, _ = _compile_call(fn, args, {**kw, "BLOCK_N": bn,
+                                                                "num_warps": nw}, target)
+                            info = _ptxas_info(ck.asm["ptx"], arch)
+                            hit = re.search(r"(\d+) bytes spill stores", info)
+                            spills[(bn, nw)] = int(hit.group(1)) if hit else -1
+                        yield (*key, spills, ge.embed_config(m, view, kw["GRAM"], prec, f))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,7 +243,16 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, nargs="+", default=[16, 32, 64, 128, 256],
                    help="batch sizes M (pseudo-labels, k = M)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table (bench/RESULTS.md)")
+    p.add_argument("--scan-configs", action="store_true",
+                   help="spill stores of every candidate embedding config (embed_config's evidence)")
     args = p.parse_args(argv)
+    if args.scan_configs:
+        for m, view, gram, prec, fac, spills, pinned in scan_embed_configs(args.arch, n=args.n,
+                                                                            ms=tuple(args.m)):
+            cands = "  ".join(f"{bn}x{nw}:{sp}B" for (bn, nw), sp in spills.items())
+            print(f"M={m:<3} {view:<7} {'gram' if gram else '    '} {prec:<6} {fac}  pinned "
+                  f"{pinned[0]}x{pinned[1]} ({spills.get(pinned, '?')}B)   {cands}", flush=True)
+        return 0
     limit = SHARED_LIMIT.get(args.arch, 101376)
     rows = compile_selection(args.arch, n=args.n, ms=tuple(args.m), ptxas_info=True)
     bad = 0
