@@ -112,8 +112,9 @@ def verify_ranks_agree(model, config_hash: str, enq_index, step: int) -> None:
     f = fingerprint(model, config_hash, enq_index)
     parts = [torch.empty_like(f) for _ in range(world_size())]
     dist.all_gather(parts, f)
-    for r, p in enumerate(parts):
-        bad = [FINGERPRINT_FIELDS[i] for i in range(6) if p[i].item() != parts[0][i].item()]
+    table = torch.stack(parts).cpu()  # [world, 6]: one device-to-host copy
+    for r, p in enumerate(table):
+        bad = [FINGERPRINT_FIELDS[i] for i in range(6) if p[i] != table[0][i]]
         if bad:
             raise RuntimeError(
                 f"ranks diverged at step {step}: rank {r} differs from rank 0 in "

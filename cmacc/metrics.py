@@ -19,7 +19,8 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A
 
 def negative_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: int) -> dict:
     """Category diversity of the negatives just enqueued (dataset indices; index < 0 = no clip,
-    ignored), two ways, as 0-d tensors (no host sync):
+    and clips labelled -1 = unlabelled, ignored; NaN for a dataset without labels), two ways,
+    as 0-d tensors (no host sync):
 
     - ``unique_per_m`` = U / M: distinct categories U among the M enqueued clips, divided by M —
       the paper appendix's "probability of sampling unique negatives" (its Fig. 3 metric);
@@ -27,10 +28,14 @@ def negative_diversity(index: torch.Tensor, labels: torch.Tensor, num_classes: i
       means no sampler could do better.
     """
     index = index.to(labels.device)
-    valid = (index >= 0).float()  # no boolean indexing: no host sync in the training step
+    if num_classes < 1:  # an unlabelled dataset: no categories to count
+        nan = torch.full((), float("nan"), device=labels.device)
+        return {"unique_per_m": nan, "coverage": nan.clone()}
     lab = labels[index.clamp_min(0)]
+    # clips without a label (-1) are not counted; no boolean indexing: no host sync
+    valid = ((index >= 0) & (lab >= 0)).float()
     present = torch.zeros(num_classes, device=labels.device).scatter_reduce(
-        0, lab, valid, reduce="amax")
+        0, lab.clamp_min(0), valid, reduce="amax")
     unique, m = present.sum(), valid.sum().clamp_min(1)
     return {"unique_per_m": unique / m, "coverage": unique / m.clamp_max(num_classes)}
 

@@ -39,6 +39,16 @@ def grad_norms(keys, queries, feats, *, tau_p, view) -> torch.Tensor:
     return alpha.norm(dim=1) * beta.norm(dim=1)
 
 
+def in_sorted(x: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(x, sorted_set)`` for a sorted set, by binary search: no data-dependent
+    output size, so no host sync on CUDA (``torch.isin`` sorts through ``unique`` there, which
+    waits for the device: twice per dictionary per step)."""
+    if sorted_set.numel() == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    pos = torch.searchsorted(sorted_set, x).clamp_max(sorted_set.numel() - 1)  # [n]
+    return sorted_set[pos] == x
+
+
 def selection_seed(base: int, step: int, which: int) -> int:
     """Same on every rank: a function of the run seed, the step and the dictionary (0=v, 1=a)."""
     return (int(base) * 1_000_003 + int(step) * 2 + int(which)) & ((1 << 62) - 1)
@@ -66,7 +76,7 @@ def select(
     n = pool_keys.shape[0] if n is None else n
     if n < m:
         raise ValueError(f"select: the pool holds {n} candidates, fewer than m={m}")
-    exclude = torch.isin(pool_index[:n], dict_index)  # [n]  U \ D
+    exclude = in_sorted(pool_index[:n], dict_index.sort().values)  # [n]  U \ D
     too_few = (~exclude).sum() < m  # [] bool, stays on device
     exclude = exclude & ~too_few
     if sampler == "active":

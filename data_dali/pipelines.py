@@ -183,7 +183,7 @@ class DaliStream:
     def __init__(self, loader):
         self.l, self.source = loader, ClipSource(loader)
         self.names = output_names(loader.views, loader.need_video, loader.need_audio)
-        gpu = loader.device.type == "cuda"
+        self.gpu = gpu = loader.device.type == "cuda"
         pipe_fn = (pretrain_pipeline if loader.need_video and loader.need_audio else
                    video_pipeline if loader.need_video else audio_pipeline)
         device_id = (loader.device.index if loader.device.index is not None
@@ -204,7 +204,10 @@ class DaliStream:
         self.source.start(batches, epoch)
         while self.running is token:  # a later epoch ends this one
             try:
-                out = self.pipe.run()
+                # GPU: the outputs are bound to torch's stream, so DALI reuses their memory only
+                # after the copies _batch queues there (host-synchronous otherwise)
+                out = self.pipe.run(torch.cuda.current_stream(self.l.device) if self.gpu
+                                    else None)
             except StopIteration:
                 self.pipe.reset()
                 self.running = None

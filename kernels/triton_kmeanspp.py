@@ -136,7 +136,7 @@ def _step_block(
     sqn = tl.load(sqn_ptr + offs_n, mask=mask_n, other=0.0)  # |g_n|^2
     if FIRST:
         excl = tl.load(excl_ptr + offs_n, mask=mask_n, other=1)
-        finite = sqn == sqn and tl.abs(sqn) < float("inf")
+        finite = (sqn == sqn) & (tl.abs(sqn) < float("inf"))
         dmin = tl.where(mask_n & (excl == 0) & finite, float("inf"), -1.0)
     else:
         # first chunks issued before anything that needs the centre's row

@@ -146,8 +146,17 @@ class SelectPlan:
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 
 
+def _drop(plan: SelectPlan) -> None:
+    """Free a plan only after the device has finished with it: a graph replay still running
+    would otherwise read and write buffers the allocator may hand out again (graph teardown does
+    not synchronise). Eviction is rare (at most MAX_PLANS live plans), so the wait is cheap."""
+    if plan.device.type == "cuda":
+        torch.cuda.synchronize(plan.device)
+
+
 def clear_plans() -> None:
-    _PLANS.clear()
+    while _PLANS:
+        _drop(_PLANS.popitem(last=False)[1])
 
 
 def _capacity_for(n: int) -> int:
@@ -176,7 +185,7 @@ def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision
                           keys_dtype=keys.dtype, keys_buffer=bound)
         _PLANS[key] = plan
         while len(_PLANS) > MAX_PLANS:
-            _PLANS.popitem(last=False)
+            _drop(_PLANS.popitem(last=False)[1])
     _PLANS.move_to_end(key)
     return plan
 

@@ -298,3 +298,62 @@ def test_negative_diversity_equals_hand_counts():
     assert div(list(range(8))) == pytest.approx({"unique_per_m": 5 / 8, "coverage": 1.0})
     assert div([6, 7, 7, 6]) == pytest.approx({"unique_per_m": 1 / 4, "coverage": 1 / 4})
     assert div([-1, -1]) == {"unique_per_m": 0.0, "coverage": 0.0}
+
+
+def test_negative_diversity_ignores_unlabelled_clips():
+    """Manifests may hold unlabelled clips (label -1): they are not counted (on CUDA a -1 in the
+    scatter is a device-side assert that kills the run); no labels at all: NaN."""
+    from cmacc.metrics import negative_diversity
+
+    labels = torch.tensor([0, -1, 1, -1, 2])  # clips 1 and 3 unlabelled (3 classes)
+    got = negative_diversity(torch.tensor([0, 1, 2, 3, 0]), labels, 3)
+    # labelled enqueued clips 0, 2, 0: M = 3, classes {0, 1}: U = 2
+    assert {k: v.item() for k, v in got.items()} == pytest.approx(
+        {"unique_per_m": 2 / 3, "coverage": 2 / 3})
+    none = negative_diversity(torch.tensor([0, 1]), torch.tensor([-1, -1]), 0)
+    assert all(math.isnan(v.item()) for v in none.values())
+
+
+# ops whose output size depends on the data: on CUDA each waits for the device (a host sync)
+_SYNCING = {"aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+            "aten::nonzero", "aten::masked_select", "aten::_local_scalar_dense", "aten::item"}
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_the_dictionary_exclusion_equals_isin_without_a_data_dependent_op(trial):
+    """U \\ D is computed by binary search in the sorted dictionary indices: the same set as
+    torch.isin (which goes through unique, a host sync on CUDA, twice per dictionary per step),
+    with duplicates, padding (-1), an empty pool overlap and a full one."""
+    from cmacc.samplers import in_sorted
+
+    g = torch.Generator().manual_seed(trial)
+    n, k = int(torch.randint(1, 60, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+    pool = torch.randint(-1, 50, (n,), generator=g)
+    dic = torch.randint(-1, 50, (k,), generator=g) if trial % 5 else pool[torch.randint(0, n, (k,), generator=g)]
+    with _OpNames() as ops:
+        got = in_sorted(pool, dic.sort().values)
+    assert torch.equal(got, torch.isin(pool, dic))
+    assert not ops.names & _SYNCING, ops.names & _SYNCING
+    assert not in_sorted(pool, torch.empty(0, dtype=torch.long)).any()
+
+
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+def test_a_selection_step_has_no_data_dependent_op(sampler):
+    """The whole sampler call (exclusion, selection, gathers, gradient norms) runs without an op
+    whose output size depends on the data: on CUDA none of them waits for the device, so the
+    selection can overlap the key encoders."""
+    keys, index, queries, feats = _pool(n=60, m=6, d=8, dh=12, seed=1)
+    with _OpNames() as ops:
+        select(sampler, pool_keys=keys, pool_index=index, dict_index=index[:7], queries=queries,
+               feats=feats, m=6, seed=1)
+    assert ops.names and not ops.names & _SYNCING, ops.names & _SYNCING
