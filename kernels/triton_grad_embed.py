@@ -221,7 +221,7 @@ def embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, *, tau, view, gr
     prec = precision_of(precision)
     factors = "bf16" if alpha.dtype == torch.bfloat16 else "fp32"
     block_n, warps = embed_config(m, view, gram, prec, factors)
-    block_h = max(16, min(block_d, triton.next_power_of_2(m if gram else dh)))
+    block_h = max(16, min(block_d, triton.next_power_of_2(dh)))  # dh = M on the Gram route
     _grad_embed_kernel[(triton.cdiv(cap, block_n),)](
         keys, queries, f, alpha, beta, bc, sqn, n_t,
         cap, m, d, dh, float(tau),

@@ -168,3 +168,24 @@ def test_empty_pool():
     keys, queries, feats = _inputs(0, 4, 8, 12)
     a, b, sqn = grad_embed_triton_with_norms(keys, queries, feats)
     assert a.shape == (0, 8) and b.shape == (0, 12) and sqn.shape == (0,)
+
+
+def test_a_launch_configuration_set_by_hand_is_used_and_checked(monkeypatch):
+    """CMACC_EMBED_CONFIG pins (rows per program, warps) for comparisons on a GPU; the factors
+    agree to rounding (here: the interpreter, 16-row programs against the default 64; another
+    tile shape sums in another order, which is why every rank must use the same one)."""
+    from kernels import triton_grad_embed as ge
+
+    g = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(70, 12, generator=g), torch.randn(9, 12, generator=g)
+    feats = torch.randn(9, 20, generator=g)
+    want = grad_embed_triton(keys, queries, feats, view="head")
+    monkeypatch.setenv("CMACC_EMBED_CONFIG", "16,4")
+    assert ge.embed_config(9, "head", False, "ieee") == (16, 4)
+    got = grad_embed_triton(keys, queries, feats, view="head")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for bad, msg in (("32", "expected 'BLOCK_N,num_warps'"), ("48,8", "BLOCK_N must be")):
+        monkeypatch.setenv("CMACC_EMBED_CONFIG", bad)
+        with pytest.raises(ValueError, match=msg):
+            ge.embed_config(9, "head", False, "ieee")
