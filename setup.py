@@ -30,13 +30,5 @@ setup(
         "dali": ["nvidia-dali-cuda130>=2.4"],
         "test": ["pytest>=8", "pytest-benchmark>=4", "scikit-learn>=1.3", "scipy>=1.10"],
     },
-    entry_points={"console_scripts": [
-        "cmacc-train=train:main",  # torchrun train.py keeps working
-        "cmacc-prepare=data_dali.prepare:main",
-        "cmacc-eval=cmacc.apps.eval:main",
-        "cmacc-export=cmacc.apps.export:main",
-        "cmacc-mi=cmacc.apps.mi:main",
-        "cmacc-analysis=cmacc.apps.analysis:main",
-        "cmacc-plot=cmacc.apps.plot:main",
-    ]},
+    entry_points={"console_scripts": ["cmacc-train=train:main"]},
 )

@@ -68,7 +68,7 @@ class _ScaledVideoResNet(nn.Module):
                 blocks.append(BasicBlock3d(inplanes, planes, conv, stride, down))
                 inplanes = planes
         self.blocks = nn.Sequential(*blocks)
-        self.out_dim, self.layers = inplanes, layers
+        self.out_dim = inplanes
 
     def forward(self, x):  # [B, 3, T, H, W]
         x = self.blocks(self.stem(x))
@@ -87,48 +87,6 @@ def video_backbone(arch: str = "r3d_18", width: int = 64, layers=(2, 2, 2, 2)) -
         net.fc = nn.Identity()
         return net
     return _ScaledVideoResNet(arch, width, layers)
-
-
-def torchvision_layout(backbone: nn.Module, arch: str) -> tuple[dict, bool]:
-    """A video backbone's weights keyed as torchvision's VideoResNet (``stem.*``,
-    ``layer{i}.{j}.*``; no ``fc``), detached copies, and whether torchvision's own ``arch()``
-    has this shape (the paper's width 64, layers 2-2-2-2)."""
-    sd = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
-    if not isinstance(backbone, _ScaledVideoResNet):
-        return {k: v for k, v in sd.items() if not k.startswith("fc.")}, True
-    names, i, j, per_layer = {}, 0, 0, backbone.layers
-    for k in range(len(backbone.blocks)):
-        names[str(k)] = f"layer{i + 1}.{j}"
-        j += 1
-        if j == per_layer[i]:
-            i, j = i + 1, 0
-    out = {}
-    for key, v in sd.items():
-        if key.startswith("blocks."):
-            _, k, rest = key.split(".", 2)
-            key = f"{names[k]}.{rest}"
-        out[key] = v
-    return out, False
-
-
-def load_video_backbone(path) -> nn.Module:
-    """A video backbone (fc removed, ``out_dim`` set) from a file written by
-    ``python -m cmacc.apps.export``: torchvision's model for the paper's shape, a scaled copy
-    otherwise; arch, width and depth are read from the weights. Eval mode, on the CPU."""
-    sd = torch.load(path, map_location="cpu", weights_only=True)
-    sd = {k: v for k, v in sd.items() if not k.startswith("fc.")}
-    arch = "r2plus1d_18" if "stem.3.weight" in sd else "r3d_18"
-    width = sd["stem.3.weight" if arch == "r2plus1d_18" else "stem.0.weight"].shape[0]
-    layers = tuple(1 + max(int(k.split(".")[1]) for k in sd if k.startswith(f"layer{i}."))
-                   for i in range(1, 5))
-    net = video_backbone(arch, width, layers)
-    if isinstance(net, _ScaledVideoResNet):
-        flat = {f"layer{i}.{j}": str(n) for n, (i, j) in enumerate(
-            (i, j) for i in range(1, 5) for j in range(layers[i - 1]))}
-        sd = {(f"blocks.{flat['.'.join(k.split('.')[:2])]}.{k.split('.', 2)[2]}"
-               if k.startswith("layer") else k): v for k, v in sd.items()}
-    net.load_state_dict(sd)
-    return net.eval()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +116,7 @@ class AudioResNet1d(nn.Module):
 
     def __init__(self, n_mels: int = 80, width: int = 64, layers=(2, 2, 2, 2)):
         super().__init__()
-        self.n_mels, self.width, self.layers = n_mels, width, tuple(layers)
+        self.n_mels = n_mels
         self.stem = nn.Sequential(
             nn.Conv1d(n_mels, width, 7, stride=1, padding=3, bias=False),
             nn.BatchNorm1d(width),
@@ -180,23 +138,6 @@ class AudioResNet1d(nn.Module):
                 f"{tuple(x.shape)}"
             )
         return F.adaptive_avg_pool1d(self.blocks(self.stem(x)), 1).flatten(1)  # [B, 8w]
-
-
-def audio_payload(backbone: AudioResNet1d) -> dict:
-    """What ``load_audio_encoder`` needs: the weights and the shape (plain ints)."""
-    return {"state_dict": {k: v.detach().clone() for k, v in backbone.state_dict().items()},
-            "n_mels": backbone.n_mels, "width": backbone.width, "layers": list(backbone.layers)}
-
-
-def load_audio_encoder(path) -> AudioResNet1d:
-    """The audio backbone from ``audio_resnet1d.pt`` written by ``python -m cmacc.apps.export``:
-    log-mel [B, n_mels, L] → features [B, 8 * width]. Eval mode, on the CPU."""
-    payload = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(payload, dict) or "state_dict" not in payload:
-        raise ValueError(f"{path}: not an audio encoder written by cmacc.apps.export")
-    net = AudioResNet1d(payload["n_mels"], payload["width"], tuple(payload["layers"]))
-    net.load_state_dict(payload["state_dict"])
-    return net.eval()
 
 
 # ----------------------------------------------------------------------------------------------

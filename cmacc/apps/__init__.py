@@ -1,14 +1,10 @@
 """The applications built on the CM-ACC library, each a command:
 
     python -m cmacc.apps.demo       the CPU demo (make demo): prepare, pretrain, probe, compare
-    python -m cmacc.apps.eval       linear probe / fine-tuning of a pretrained checkpoint (cmacc-eval)
-    python -m cmacc.apps.export     a run's encoders as plain state dicts (cmacc-export)
-    python -m cmacc.apps.analysis   the paper's analyses (diversity, dictionary size, ...) (cmacc-analysis)
-    python -m cmacc.apps.mi         the Spatial-MultiOmniglot mutual-information study (cmacc-mi)
-    python -m cmacc.apps.plot       training curves of runs to a PNG (cmacc-plot)
-
-Installed (``make install``), each command has the entry point named in brackets, as do
-``cmacc-train`` (train.py) and ``cmacc-prepare`` (data_dali.prepare).
+    python -m cmacc.apps.eval       linear probe / fine-tuning of a pretrained checkpoint
+    python -m cmacc.apps.analysis   the paper's analyses (diversity, dictionary size, gallery, ...)
+    python -m cmacc.apps.mi         the Spatial-MultiOmniglot mutual-information study
+    python -m cmacc.apps.plot       training curves of runs to a PNG
 
 Apps import the library (cmacc.*, kernels, data_dali); the library never imports an app.
 Each ``main(argv)`` is a ``data_dali.cli.command``: a user's mistake is one line on stderr and
