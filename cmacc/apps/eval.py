@@ -42,7 +42,7 @@ class CheckpointError(UserError):
 
 def load_pretrained(path) -> tuple[CMACC, dict]:
     """The CMACC model of a checkpoint file or run folder (newest valid checkpoint), and the
-    checkpoint with its typed config under "cfg"."""
+    checkpoint with its typed config under "cfg" and its path under "file"."""
     p = Path(path)
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
@@ -72,6 +72,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"{p}: its weights do not match its own config "
                               f"({first_line(e, 160)}); {_FIX}") from None
+    state["file"] = p
     return model, state
 
 
