@@ -314,8 +314,9 @@ def write_av(path, frames: np.ndarray | None, fps: int, wave: np.ndarray | None,
 
 def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72, fps=15,
                   sr=16_000, redundancy=0.3, noise=0.15, seed=0, class_dist="uniform") -> Path:
-    """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,split: every 4th instance
-    of a class is a test clip); return OUT. ``classes * per_class`` clips, shared out by
+    """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,class_name,split in the
+    list format of ``prepare --layout list``: label NN, every 4th instance of a class a test
+    clip); return OUT. ``classes * per_class`` clips, shared out by
     ``class_counts(class_dist, ...)`` (uniform: ``per_class`` each; a class whose quota is 0
     has no clip). Existing files are kept (resumable)."""
     for name, value, low in (("classes", classes, 1), ("per_class", per_class, 1), ("width", width, 2),
@@ -327,7 +328,7 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
     group_size(redundancy)  # checks the range
     counts = class_counts(class_dist, classes * per_class, classes)
     out = output_folder(out, "OUT")
-    listing = ["path,label,split"]
+    listing = ["path,label,class_name,split"]
     rng = np.random.default_rng(seed)
     params = {}
     for c in range(classes):
@@ -337,7 +338,8 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
                 p = instance_params(lambda *shape: rng.random(shape or None))  # () -> a float
                 params[key] = dict(p, colour=p["colour"].astype(np.float32))
             path = out / f"class{c:02d}" / f"class{c:02d}_{i:03d}.mp4"
-            listing.append(f"{path.relative_to(out)},class{c:02d},{'test' if held_out(i) else 'train'}")
+            listing.append(f"{path.relative_to(out).as_posix()},{c},class{c:02d},"
+                           f"{'test' if held_out(i) else 'train'}")
             if path.exists():
                 continue
             inst = params[key]
