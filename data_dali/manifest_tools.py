@@ -1,4 +1,5 @@
-"""Shape prepared datasets without re-running prepare: ``python -m data_dali.manifest``.
+"""Shape prepared datasets without re-running prepare: ``python -m data_dali.manifest``
+(installed as the command ``cmacc-manifest``).
 
     python -m data_dali.manifest stats data/ucf101/manifest.csv [--json]
     python -m data_dali.manifest subset data/ucf101/manifest.csv --out data/ucf101/small.csv \\

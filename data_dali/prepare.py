@@ -1,4 +1,5 @@
 """Prepare a dataset for the loaders: source media in, uniform clips and a manifest out.
+Installed as the command ``cmacc-prepare`` (= ``python -m data_dali.prepare``).
 
 Probe every file (PyAV), transcode video to VP9 in WebM (DALI decodes VP9 on CPU and GPU;
 H.264 only on GPU) at a constant frame rate and short side, resample audio to 16 kHz mono FLAC,

@@ -1,5 +1,6 @@
 """Downstream evaluation of a pretrained checkpoint: linear probe on frozen features and
-end-to-end fine-tuning, for the video or the audio encoder.
+end-to-end fine-tuning, for the video or the audio encoder. Installed as the command
+``cmacc-eval`` (= ``python -m cmacc.apps.eval``).
 
     python -m cmacc.apps.eval runs/cmacc --data synthetic --modality video --protocol linear
     python -m cmacc.apps.eval runs/cmacc/ckpt_00001000.pt --data UCF101/manifest.csv \\

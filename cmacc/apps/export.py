@@ -1,4 +1,5 @@
-"""Export a pretrained run's encoders as plain state dicts for other code (cmacc-export).
+"""Export a pretrained run's encoders as plain state dicts for other code. Installed as the
+command ``cmacc-export`` (= ``python -m cmacc.apps.export``).
 
     python -m cmacc.apps.export runs/paper --out exported            # query encoders
     python -m cmacc.apps.export runs/paper/ckpt_00100000.pt --out exported --keys --num-classes 101
