@@ -44,7 +44,7 @@ def _positive(obj, *names):
 
 @dataclass
 class ModelConfig:
-    """The networks and the contrastive objective (DESIGN.md §1)."""
+    """The networks and the contrastive objective (docs/DESIGN.md §1)."""
 
     objective: str = "cross"
     fcl: bool = True
@@ -80,7 +80,8 @@ class ModelConfig:
 
 @dataclass
 class SelectionConfig:
-    """What is enqueued into the dictionaries each step, and from which pool (DESIGN.md §1)."""
+    """What is enqueued into the dictionaries each step, and from which pool
+    (docs/DESIGN.md §1)."""
 
     sampler: str = "active"  # "random" = XMoCo, "active" = CM-ACC
     grad_view: str = "head"
@@ -294,7 +295,7 @@ def config_hash(*cfgs) -> str:
 
 
 PRESETS = {
-    # DESIGN.md §1 / paper §5: M=128, K=30M, N=300M, tau=0.7, m=0.999, Adam 1e-3, 500 warm-up
+    # docs/DESIGN.md §1 / paper §5: M=128, K=30M, N=300M, tau=0.7, m=0.999, Adam 1e-3, 500 warm-up
     "paper": Config(model=ModelConfig(batch_size=128, dict_size=30 * 128),
                     selection=SelectionConfig(pool_size=300 * 128),
                     data=DataConfig(frames=16, size=112),
