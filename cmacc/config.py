@@ -17,6 +17,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from data_dali.classdist import zipf_exponent
+
 from .encoders import VIDEO_ARCHS
 
 OBJECTIVES = ("cross", "smoco")  # cross-modal (XMoCo / CM-ACC) or unimodal SMoCo
@@ -139,9 +141,7 @@ class DataConfig:
             raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
-        from .data import check_class_dist  # (the law lives with the generator, in data_dali)
-
-        check_class_dist(self.class_dist)
+        zipf_exponent(self.class_dist, flag="--class-dist (class_dist)")
 
     @property
     def synthetic(self) -> bool:
