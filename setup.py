@@ -30,5 +30,14 @@ setup(
         "dali": ["nvidia-dali-cuda130>=2.4"],
         "test": ["pytest>=8", "pytest-benchmark>=4", "scikit-learn>=1.3", "scipy>=1.10"],
     },
-    entry_points={"console_scripts": ["cmacc-train=train:main"]},
+    # the commands; each is also `python -m <module>` (and `torchrun train.py` for training)
+    entry_points={"console_scripts": [
+        "cmacc-train=train:main",
+        "cmacc-prepare=data_dali.prepare:main",
+        "cmacc-manifest=data_dali.manifest_tools:main",
+        "cmacc-eval=cmacc.apps.eval:main",
+        "cmacc-export=cmacc.apps.export:main",
+        "cmacc-mi=cmacc.apps.mi:main",
+        "cmacc-analysis=cmacc.apps.analysis:main",
+    ]},
 )

@@ -1,4 +1,5 @@
 """CM-ACC pretraining: cross-modal active contrastive coding of audio-visual video.
+Installed as the command ``cmacc-train`` (= ``python train.py``; torchrun runs ``train.py``).
 
 One process (CPU, seconds, on the built-in synthetic clips):
     python train.py --preset tiny --steps 200 --out runs/tiny
@@ -64,21 +65,21 @@ FLAGS = {
         ("--grad-view", "selection.grad_view", dict(choices=GRAD_VIEWS, help="last-layer gradient view (default head)")),
         ("--pool-mode", "selection.pool_mode", dict(choices=POOL_MODES, help="rolling (default, free) or epoch (paper)")),
         ("--pool-size", "selection.pool_size", dict(type=int, help="candidate pool size N (paper 300*M)")),
-        ("--tau-p", "selection.tau_p", dict(type=float, help="pseudo-posterior temperature (1.0)")),
-        ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding (ieee)")),
-        ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (fp32; bf16 halves k-means++ bytes)")),
+        ("--tau-p", "selection.tau_p", dict(type=float, help="pseudo-posterior temperature")),
+        ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding")),
+        ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (bf16 halves k-means++ bytes)")),
         ("--kmeans", "selection.kmeans", dict(choices=KMEANS_VARIANTS, help="GPU k-means++: a launch per step (default) or one persistent launch")),
         ("--no-select-overlap", "selection.overlap", dict(action="store_const", const=False, help="GPU: run the selection in line instead of on a side stream")),
         ("--fcl", "model.fcl", dict(action="store_const", const=True, help="cross-modal FC layer (default on)")),
         ("--no-fcl", "model.fcl", dict(action="store_const", const=False, help="ablation 'w/o fcl'")),
         ("--batch-size", "model.batch_size", dict(type=int, help="GLOBAL mini-batch M")),
         ("--dict-size", "model.dict_size", dict(type=int, help="dictionary size K (paper 30*M)")),
-        ("--tau", "model.tau", dict(type=float, help="contrastive temperature (0.7)")),
-        ("--momentum", "model.momentum", dict(type=float, help="key-encoder momentum (0.999)")),
+        ("--tau", "model.tau", dict(type=float, help="contrastive temperature")),
+        ("--momentum", "model.momentum", dict(type=float, help="key-encoder momentum")),
         ("--video-arch", "model.video_arch", dict(choices=VIDEO_ARCHS)),
         ("--video-width", "model.video_width", dict(type=int)),
         ("--audio-width", "model.audio_width", dict(type=int)),
-        ("--dim", "model.dim", dict(type=int, help="key dimension d (128)")),
+        ("--dim", "model.dim", dict(type=int, help="key dimension d")),
     ],
     "optimisation": [
         ("--lr", "optim.lr", dict(type=float)),
@@ -91,9 +92,9 @@ FLAGS = {
         ("--clips", "data.clips", dict(type=int, help="number of synthetic clips")),
         ("--classes", "data.classes", dict(type=int, help="number of synthetic classes")),
         ("--redundancy", "data.redundancy", dict(type=float, help="near-duplicate fraction in [0,1)")),
-        ("--class-dist", "data.class_dist", dict(help="clips per class: 'uniform' (default) or 'zipf:S' "
+        ("--class-dist", "data.class_dist", dict(help="clips per class: 'uniform' or 'zipf:S' "
                                                  "(class c gets a share ∝ 1/(c+1)^S: a long tail)")),
-        ("--noise", "data.noise", dict(type=float, help="pixel / mel noise level (tiny preset: 1.0)")),
+        ("--noise", "data.noise", dict(type=float, help="pixel / mel noise level")),
     ],
 }
 
@@ -105,8 +106,22 @@ def build_parser() -> ArgumentParser:
     for title, flags in FLAGS.items():
         g = p.add_argument_group(title)
         for flag, dest, kw in flags:
-            g.add_argument(flag, dest=dest, default=None, **kw)
+            g.add_argument(flag, dest=dest, default=None, **_with_defaults(dest, kw))
     return p
+
+
+def _with_defaults(dest: str, kw: dict) -> dict:
+    """``kw`` with the presets' values of the field appended to its help ("tiny: 32, paper:
+    128"), so --help never states a default that the preset in use does not have."""
+    if (kw.get("action") == "store_const" or dest in ("run.out", "run.device", "run.resume")
+            or "default" in kw.get("help", "")):  # says its default itself
+        return kw
+    section, name = dest.split(".")
+    values = {preset: getattr(getattr(cfg, section), name) for preset, cfg in sorted(PRESETS.items())}
+    shown = (f"default {next(iter(values.values()))}" if len(set(map(str, values.values()))) == 1
+             else "default " + ", ".join(f"{k}: {v}" for k, v in values.items()))
+    help_text = kw.get("help")
+    return dict(kw, help=f"{help_text} ({shown})" if help_text else f"({shown})")
 
 
 def config_from_args(args):

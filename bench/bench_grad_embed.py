@@ -1,4 +1,4 @@
-"""Benchmark the gradient embedding alone (DESIGN.md §1 steps 1-3) across providers.
+"""Benchmark the gradient embedding alone (docs/DESIGN.md §1 steps 1-3) across providers.
 
 `head` view, uncompressed (beta has d_h columns), M = 128, d = 128, d_h = 512.
 

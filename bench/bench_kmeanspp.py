@@ -1,6 +1,6 @@
 """Benchmark one dictionary's active selection (grad_embed + k-means++) across providers.
 
-The selection = grad_embed + k-means++ seeding of k = M centres (DESIGN.md §4), `head` view,
+The selection = grad_embed + k-means++ seeding of k = M centres (docs/DESIGN.md §4), `head` view,
 M = 128, d = 128, d_h = 512.
 
 Providers (the baselines are imported from kernels/reference.py, never re-implemented here):

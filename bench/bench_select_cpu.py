@@ -2,7 +2,7 @@
 
 One dictionary's active selection (gradient-embedding factors + k-means++ seeding of k
 centres) in the `queries` view (alpha = r [N, M], beta = k / tau [N, d]) on the CPU, two
-providers in one run (DESIGN.md §4, issue 13 item 8):
+providers in one run (docs/DESIGN.md §4, issue 13 item 8):
 
   reference   kernels.reference.select: the factors in torch, then (CPU tensors) the k steps
               in numpy on views of the same memory: per step two matrix-vector products

@@ -17,6 +17,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from data_dali.classdist import zipf_exponent
+
 from .encoders import VIDEO_ARCHS
 
 OBJECTIVES = ("cross", "smoco")  # cross-modal (XMoCo / CM-ACC) or unimodal SMoCo
@@ -44,7 +46,7 @@ def _positive(obj, *names):
 
 @dataclass
 class ModelConfig:
-    """The networks and the contrastive objective (DESIGN.md §1)."""
+    """The networks and the contrastive objective (docs/DESIGN.md §1)."""
 
     objective: str = "cross"
     fcl: bool = True
@@ -80,7 +82,8 @@ class ModelConfig:
 
 @dataclass
 class SelectionConfig:
-    """What is enqueued into the dictionaries each step, and from which pool (DESIGN.md §1)."""
+    """What is enqueued into the dictionaries each step, and from which pool
+    (docs/DESIGN.md §1)."""
 
     sampler: str = "active"  # "random" = XMoCo, "active" = CM-ACC
     grad_view: str = "head"
@@ -138,9 +141,7 @@ class DataConfig:
             raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
-        from .data import check_class_dist  # (the law lives with the generator, in data_dali)
-
-        check_class_dist(self.class_dist)
+        zipf_exponent(self.class_dist, flag="--class-dist (class_dist)")
 
     @property
     def synthetic(self) -> bool:
@@ -294,7 +295,7 @@ def config_hash(*cfgs) -> str:
 
 
 PRESETS = {
-    # DESIGN.md §1 / paper §5: M=128, K=30M, N=300M, tau=0.7, m=0.999, Adam 1e-3, 500 warm-up
+    # docs/DESIGN.md §1 / paper §5: M=128, K=30M, N=300M, tau=0.7, m=0.999, Adam 1e-3, 500 warm-up
     "paper": Config(model=ModelConfig(batch_size=128, dict_size=30 * 128),
                     selection=SelectionConfig(pool_size=300 * 128),
                     data=DataConfig(frames=16, size=112),

@@ -7,15 +7,9 @@ from __future__ import annotations
 import torch
 
 import data_dali
-from data_dali.synthetic import ToyAV, ToyLoader, held_out, zipf_exponent
+from data_dali.synthetic import ToyAV, ToyLoader, held_out
 
 from .config import DataConfig
-
-
-def check_class_dist(class_dist: str) -> None:
-    """A ValueError naming --class-dist (class_dist) and its accepted forms unless
-    ``class_dist`` is 'uniform' or 'zipf:S' (S >= 0)."""
-    zipf_exponent(class_dist, flag="--class-dist (class_dist)")
 
 
 def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:

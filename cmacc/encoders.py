@@ -4,15 +4,23 @@ log-mel, the optional cross-modal FC layer ("fcl") and the projection head (the 
     x ─ backbone ─► f [B, c] ─ fcl: Linear(c, d_h) + ReLU (optional) ─► h [B, d_h]
                                    ─ head: Linear(d_h, d) ─► L2-normalise ─► q [B, d]
 
-``h`` is the pre-head feature H of DESIGN.md §1 step 3 (the head is the last layer, as in the
-`head` gradient view). Without fcl, h = f and d_h = c. The fcl sits below the head so that the
+``h`` is the pre-head feature H of docs/DESIGN.md §1 step 3 (the head is the last layer, as in
+the `head` gradient view). Without fcl, h = f and d_h = c. The fcl sits below the head so that the
 head stays the last layer; its key copy is momentum-updated from the other modality's query fcl
 (cmacc/model.py), which needs equal fcl shapes in both modalities.
+
+Out of a run (``python -m cmacc.apps.export``): ``export_video`` gives a backbone's weights
+under torchvision's VideoResNet names (``torchvision.models.video.r3d_18()`` loads them once
+its ``fc`` is replaced, when the backbone has torchvision's size); ``load_video_encoder`` and
+``load_audio_encoder`` rebuild a backbone of any size from such a file alone (its shapes say
+the architecture, width and depth).
 """
 
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -51,6 +59,7 @@ class _ScaledVideoResNet(nn.Module):
 
     def __init__(self, arch: str, width: int, layers: tuple[int, ...]):
         super().__init__()
+        self.layers = tuple(layers)
         conv = Conv3DSimple if arch == "r3d_18" else Conv2Plus1D
         self.stem = _video_stem(arch, width)
         blocks, inplanes = [], width
@@ -81,12 +90,17 @@ def video_backbone(arch: str = "r3d_18", width: int = 64, layers=(2, 2, 2, 2)) -
     if arch not in VIDEO_ARCHS:
         raise ValueError(f"video arch {arch!r} is not one of {VIDEO_ARCHS}")
     layers = tuple(layers)
-    if width == 64 and layers == (2, 2, 2, 2):
+    if is_torchvision_size(width, layers):
         net = (r3d_18 if arch == "r3d_18" else r2plus1d_18)(weights=None)
         net.out_dim = net.fc.in_features
         net.fc = nn.Identity()
         return net
     return _ScaledVideoResNet(arch, width, layers)
+
+
+def is_torchvision_size(width: int, layers) -> bool:
+    """Whether a video backbone of this size is torchvision's own r3d_18 / r2plus1d_18."""
+    return width == 64 and tuple(layers) == (2, 2, 2, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,3 +191,117 @@ def momentum_update(key: nn.Module, query: nn.Module, m: float) -> None:
     """θ_key ← m θ_key + (1 − m) θ_query, parameter by parameter (shapes must match)."""
     for pk, pq in zip(key.parameters(), query.parameters(), strict=True):
         pk.mul_(m).add_(pq.detach(), alpha=1.0 - m)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stand-alone weights: export and load
+# ----------------------------------------------------------------------------------------------
+class EncoderFileError(ValueError):
+    """A file that is not an exported encoder state dict; the message says why and what to do."""
+
+
+def _block_names(layers) -> dict[str, str]:
+    """Our flat ``blocks.b.`` → torchvision's ``layer{stage}.{block}.`` for a scaled backbone."""
+    stages = [(i, j) for i, n in enumerate(layers) for j in range(n)]
+    return {f"blocks.{b}.": f"layer{i + 1}.{j}." for b, (i, j) in enumerate(stages)}
+
+
+def _renamed(sd: dict, prefixes: dict[str, str]) -> dict:
+    """``sd`` with each key's leading prefix (a key of ``prefixes``) replaced by its value."""
+    def name(k):
+        return next((new + k[len(old):] for old, new in prefixes.items() if k.startswith(old)), k)
+    return {name(k): v for k, v in sd.items()}
+
+
+def export_video(backbone: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of a video backbone as a plain state dict under torchvision's VideoResNet
+    names (``stem.*``, ``layer1.0.*`` ...), without ``fc``: torchvision's own model of the same
+    architecture loads it with ``strict=True`` once ``model.fc = torch.nn.Identity()``."""
+    sd = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
+    if isinstance(backbone, _ScaledVideoResNet):
+        sd = _renamed(sd, _block_names(backbone.layers))
+    return sd  # torchvision's model itself has an Identity fc: no weights to leave out
+
+
+def _read_state(path, what: str) -> dict[str, torch.Tensor]:
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise EncoderFileError(f"{path}: no such file; write it with `python -m cmacc.apps.export "
+                               "RUN --out DIR`") from None
+    except Exception as e:  # noqa: BLE001 - foreign bytes: the weights-only unpickler's errors vary
+        raise EncoderFileError(f"{path}: not a torch state dict ({type(e).__name__}); pass the "
+                               f"{what} written by `python -m cmacc.apps.export`") from None
+    if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise EncoderFileError(f"{path}: not a state dict of tensors; pass the {what} written by "
+                               "`python -m cmacc.apps.export`")
+    return sd
+
+
+def _layers(sd: dict, prefix: str) -> tuple[int, ...]:
+    """Blocks per stage from the keys ``{prefix}{stage}.{block}.``."""
+    counts: dict[int, set] = {}
+    for k in sd:
+        m = re.match(rf"{prefix}(\d+)\.(\d+)\.", k)
+        if m:
+            counts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    return tuple(len(counts[i]) for i in sorted(counts))
+
+
+def _audio_layers(sd: dict) -> tuple[int, ...]:
+    """Blocks per stage of the flat ``blocks.k``: a stage is a run of equal output widths."""
+    widths = []
+    for k in range(len(sd)):
+        w = sd.get(f"blocks.{k}.conv1.weight")
+        if w is None:
+            break
+        widths.append(int(w.shape[0]))
+    stages = []
+    for i, w in enumerate(widths):
+        if i and w == widths[i - 1]:
+            stages[-1] += 1
+        else:
+            stages.append(1)
+    return tuple(stages)
+
+
+def _load_strict(net: nn.Module, sd: dict, path, what: str) -> nn.Module:
+    try:
+        net.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise EncoderFileError(f"{path}: does not fit a {what} ({str(e).splitlines()[0][:160]}); "
+                               "pass a file written by `python -m cmacc.apps.export`") from None
+    return net.eval()
+
+
+def load_video_encoder(path) -> nn.Module:
+    """The video backbone of an exported ``video_<arch>.pt``, in eval mode: x [B, 3, T, H, W]
+    → features [B, 8 * width] (or [B, num_classes] when the file has an ``fc``). Architecture,
+    width and depth come from the weights' shapes; torchvision's own model at its size."""
+    sd = _read_state(path, "video_<arch>.pt")
+    arch = "r2plus1d_18" if "stem.3.weight" in sd else "r3d_18"
+    stem_out = sd.get("stem.3.weight" if arch == "r2plus1d_18" else "stem.0.weight")
+    layers = _layers(sd, "layer")
+    if stem_out is None or not layers:
+        raise EncoderFileError(f"{path}: no stem / layer weights of a video ResNet; pass the "
+                               "video_<arch>.pt written by `python -m cmacc.apps.export`")
+    width = int(stem_out.shape[0])
+    net = video_backbone(arch, width, layers)
+    if isinstance(net, _ScaledVideoResNet):
+        sd = _renamed(sd, {v: k for k, v in _block_names(layers).items()})
+    if "fc.weight" in sd and not isinstance(net, _ScaledVideoResNet):  # a classifier included
+        net.fc = nn.Linear(sd["fc.weight"].shape[1], sd["fc.weight"].shape[0])
+    return _load_strict(net, sd, path, f"{arch} video backbone (width {width}, layers {layers})")
+
+
+def load_audio_encoder(path) -> AudioResNet1d:
+    """The audio backbone of an exported ``audio_resnet1d.pt``, in eval mode: log-mel
+    [B, n_mels, L] → features [B, 8 * width]. Mel bands, width and depth come from the shapes."""
+    sd = _read_state(path, "audio_resnet1d.pt")
+    stem = sd.get("stem.0.weight")
+    layers = _audio_layers(sd)
+    if stem is None or stem.dim() != 3 or not layers:
+        raise EncoderFileError(f"{path}: not the weights of the 1-D audio ResNet; pass the "
+                               "audio_resnet1d.pt written by `python -m cmacc.apps.export`")
+    net = AudioResNet1d(n_mels=int(stem.shape[1]), width=int(stem.shape[0]), layers=layers)
+    return _load_strict(net, sd, path, "1-D audio ResNet")

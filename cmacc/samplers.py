@@ -1,4 +1,4 @@
-"""What is enqueued into a dictionary D_x each iteration (DESIGN.md §1).
+"""What is enqueued into a dictionary D_x each iteration (docs/DESIGN.md §1).
 
     random          XMoCo: the current batch's keys (MoCo)
     active          CM-ACC: k-means++ over last-layer gradient embeddings (kernels.select)

@@ -49,20 +49,37 @@ def strip_debug(argv):
 
 def command(main):
     """Wrap a command's ``main(argv)``: UserError → ``error: <message>`` on stderr, exit 2;
-    ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv without --debug."""
+    ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv without --debug.
+    A command that fails leaves no empty folder behind that its ``output_folder`` created."""
 
     @functools.wraps(main)
     def run(argv=None):
         debug = wants_debug(argv)
+        mark = len(_CREATED)
         try:
             return main(strip_debug(argv))
-        except UserError as e:
-            if debug:
+        except BaseException as e:
+            _remove_empty_created(mark)
+            if not isinstance(e, UserError) or debug:
                 raise
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(USER_ERROR_EXIT) from None
+        finally:
+            del _CREATED[mark:]
 
     return run
+
+
+# folders output_folder created (outermost first): a failed command removes those still empty
+_CREATED: list[Path] = []
+
+
+def _remove_empty_created(mark: int) -> None:
+    for folder in reversed(_CREATED[mark:]):
+        try:
+            folder.rmdir()  # only if empty: whatever a command finished stays
+        except OSError:
+            pass
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -80,12 +97,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def output_folder(path, flag: str = "OUT") -> Path:
     """``path`` as an output folder: created if missing, and proven to take files (a real
-    write, so read-only mounts, quotas and ACLs count); a UserError naming ``flag`` otherwise."""
+    write, so read-only mounts, quotas and ACLs count); a UserError naming ``flag`` otherwise.
+    Inside a ``@command`` that then fails, the folders created here are removed if empty."""
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UserError(f"{flag} {path}: is a file, not a folder; pass a folder (created if missing)")
+    missing = [q for q in [p, *p.parents] if not q.exists()]
     try:
         p.mkdir(parents=True, exist_ok=True)
+        _CREATED.extend(q.absolute() for q in reversed(missing))
         with tempfile.TemporaryFile(dir=p):
             pass
     except OSError as e:

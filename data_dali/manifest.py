@@ -3,14 +3,20 @@
 Written by ``python -m data_dali.prepare``; format in docs/DATA.md. Paths are relative to the
 manifest's folder (the dataset root) and must resolve inside it: a manifest someone shared
 cannot make a loader read ``../../anything``. Every row is checked when the manifest is opened
-(columns, ids, numbers, labels, files present, no row twice), so a bad manifest fails before
-any worker starts: one ManifestError naming the first few bad rows by line, and the fix.
+(columns, ids, numbers, labels, files present, no row or id twice), so a bad manifest fails
+before any worker starts: one ManifestError naming the first few bad rows by line, and the fix.
+
+Rows may be any subset, reordering or concatenation of prepared manifests as long as the ids
+stay unique: the dataset index (what the loaders return and the dictionaries store) is the
+row's position, 0..N-1, whatever its ``id``. ``python -m data_dali.manifest stats|subset|merge``
+shapes manifests (data_dali/manifest_tools.py).
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -35,7 +41,7 @@ class ManifestError(UserError, ValueError):
 
 class Manifest:
     """Rows of a prepared dataset. ``rows[i]`` is dataset index i (the ``index`` the loaders
-    return and the dictionaries store)."""
+    return and the dictionaries store): the row's position, not its ``id``."""
 
     def __init__(self, path):
         self.file = Path(path).resolve()
@@ -85,7 +91,7 @@ class Manifest:
         cap = max(MAX_CLASSES, len(self.rows))
         bad, seen = [], {}
         for i, r in enumerate(self.rows):
-            problem = self._problem(i, r, cap) or self._duplicate(r, seen, lines[i])
+            problem = self._problem(r, cap) or self._duplicate(r, seen, lines[i])
             if problem:
                 bad.append(f"line {lines[i]} (id {_show(r.get('id'))}): {problem}")
         if bad:
@@ -93,13 +99,14 @@ class Manifest:
             raise ManifestError(f"{path}: {len(bad)} bad row(s) of {len(self.rows)}: "
                                 f"{'; '.join(bad[:SHOWN])}{more}; {FIX}")
 
-    def _problem(self, i: int, r: dict, cap: int) -> str | None:
-        """What is wrong with row i (the first thing found), else None. Media paths become
+    def _problem(self, r: dict, cap: int) -> str | None:
+        """What is wrong with row ``r`` (the first thing found), else None. Media paths become
         absolute (validated once)."""
         if None in r or None in r.values():
             return "wrong number of cells (a cell with a comma must be quoted)"
-        if _int(r["id"]) != i:
-            return f"id {_show(r['id'])} is not its position {i}; ids must be 0..N-1 in order"
+        clip_id = _int(r["id"])
+        if clip_id is None or clip_id < 0:
+            return f"id {_show(r['id'])} is not a whole number >= 0"
         label = _int(r["label"])
         if label is None:
             return (f"label {_show(r['label'])} is not an integer (class index from 0; "
@@ -133,7 +140,12 @@ class Manifest:
 
     @staticmethod
     def _duplicate(r: dict, seen: dict, line: int) -> str | None:
-        """A row whose media file an earlier row already has (the same clip twice)."""
+        """A row whose id or media file an earlier row already has (the same clip twice)."""
+        key = ("id", _int(r["id"]))
+        if key in seen:
+            return (f"id {_show(r['id'])} is also the id of line {seen[key]}; ids must be unique "
+                    "(`python -m data_dali.manifest merge` renumbers the rows of several datasets)")
+        seen[key] = line
         for k in MEDIA:
             if r[k]:
                 if r[k] in seen:
@@ -248,3 +260,9 @@ def _mel_from_audio(path: str) -> np.ndarray:
     if sr != SR:
         raise ManifestError(f"{path}: sample rate {sr} != {SR}; re-run `python -m data_dali.prepare`")
     return log_mel(wave.mean(1))
+
+
+if __name__ == "__main__":  # python -m data_dali.manifest stats|subset|merge
+    from data_dali.manifest_tools import main
+
+    sys.exit(main())

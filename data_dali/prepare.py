@@ -1,4 +1,5 @@
 """Prepare a dataset for the loaders: source media in, uniform clips and a manifest out.
+Installed as the command ``cmacc-prepare`` (= ``python -m data_dali.prepare``).
 
 Probe every file (PyAV), transcode video to VP9 in WebM (DALI decodes VP9 on CPU and GPU;
 H.264 only on GPU) at a constant frame rate and short side, resample audio to 16 kHz mono FLAC,
@@ -166,12 +167,17 @@ def _files(folder: Path, exclude, outputs: list) -> list[Path]:
     if _is_output(folder, exclude):
         outputs.append(str(folder))
         return []
-    found = []
-    for root, dirs, files in os.walk(folder):
+    found, seen = [], {os.path.realpath(folder)}
+    for root, dirs, files in os.walk(folder, followlinks=True):  # datasets are often links
         for d in list(dirs):
+            real = os.path.realpath(os.path.join(root, d))
             if _is_output(Path(root) / d, exclude):
                 outputs.append(str(Path(root) / d))
                 dirs.remove(d)
+            elif real in seen:  # a link back to a folder already walked: no loop, no twice
+                dirs.remove(d)
+            else:
+                seen.add(real)
         found += [Path(root) / f for f in files]
     return sorted(found)
 
@@ -473,8 +479,12 @@ def process(src: Path, out: Path, item: dict, cfg: PrepareConfig, audio_only: bo
             row["duration"] = round(len(wave) / SR, 3)
             if len(wave) == 0:
                 raise Reject("audio stream has no samples")
-            if row["duration"] < cfg.min_seconds:
-                raise Reject(f"too short ({row['duration']:.2f} s < --min-seconds {cfg.min_seconds})")
+            if row["duration"] < cfg.min_seconds:  # sounds are short: pad, never reject
+                wave = np.concatenate([wave, np.zeros(round(cfg.min_seconds * SR) - len(wave),
+                                                      np.float32)])
+                notes.append(f"audio padded with silence from {row['duration']:.2f} s to "
+                             f"--min-seconds {cfg.min_seconds:g} s")
+                row["duration"] = round(len(wave) / SR, 3)
         elif len(wave) == 0 and not any(n.startswith("audio decode failed") for n in notes):
             notes.append("audio stream has no samples, kept video-only")
         if len(wave):
@@ -586,13 +596,13 @@ def _assign_outputs(items: list[dict], src: Path, out: Path) -> None:
     a.avi, y.mp4 and y.mel.mp4) and a name never depends on the other files. Names equal but
     for case (one file on case-insensitive disks) and names too long for a file system end in
     ``~`` + 8 hex digits of the path instead. Items escaping SRC, inside OUT or listed twice get
-    ``it["reject"]`` and no name."""
+    ``it["reject"]`` and no name. A symbolic link inside SRC is a source wherever it points."""
     seen: dict[str, str] = {}
     folded = Counter(os.path.normpath(it["rel"]).lower() for it in items)
     for it in items:
         name = os.path.normpath(it["rel"]).replace(os.sep, "/")
-        resolved = (src / name).resolve()
-        if os.path.isabs(name) or name.split("/")[0] == ".." or src not in resolved.parents:
+        resolved = (src / name).resolve()  # a symbolic link's target may live anywhere ...
+        if os.path.isabs(name) or name.split("/")[0] in ("..", "."):  # ... the link not
             it["reject"] = f"path escapes the source folder {src}; list paths must be relative to SRC"
         elif resolved == out or out in resolved.parents:
             it["reject"] = f"inside the output folder {out}: outputs are never sources"
@@ -783,7 +793,8 @@ def main(argv=None):
     p.add_argument("--audio-only", action="store_true", help="an audio dataset (implied by esc50)")
     p.add_argument("--fps", type=float, default=10.0, help="target frame rate (paper: 10)")
     p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even)")
-    p.add_argument("--min-seconds", type=float, default=1.6, help="reject clips shorter than this")
+    p.add_argument("--min-seconds", type=float, default=1.6,
+                   help="reject videos shorter than this (audio-only: pad shorter sounds with silence to it)")
     p.add_argument("--crf", type=int, default=32, help="VP9 quality, 0-63 (lower = better)")
     p.add_argument("--no-mel", dest="mel", action="store_false",
                    help="do not precompute log-mels (loaders then compute them from the FLAC)")
@@ -803,6 +814,10 @@ def main(argv=None):
                       retry_rejects=args.retry_rejects, audio_only=args.audio_only,
                       space_check=args.space_check)
     print(json.dumps(summary, indent=2))
+    if not summary["kept"]:
+        reasons = "; ".join(f"{n} x {r}" for r, n in summary["rejects_by_reason"].items())
+        raise PrepareError(f"{args.src}: kept 0 of {summary['files']} files ({reasons}); see "
+                           f"{summary['rejects']}, fix the sources or the flags, and run again")
     return 0
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .classdist import CLASS_DIST_FORMS, class_counts, class_probs, zipf_exponent  # noqa: F401
 from .cli import ArgumentParser, UserError, command, output_folder
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_text
 
@@ -57,44 +58,6 @@ def group_size(redundancy: float) -> int:
 def instance_group(k, redundancy: float):
     """The parameter group of the k-th instance of a class (int, array or tensor)."""
     return k // group_size(redundancy)
-
-
-CLASS_DIST_FORMS = "'uniform' or 'zipf:S' (S a number >= 0; class c gets a share ∝ 1/(c+1)^S)"
-
-
-def zipf_exponent(class_dist: str, flag: str = "--class-dist") -> float:
-    """The exponent S of a class distribution: 'uniform' is 0, 'zipf:S' is S (>= 0, finite).
-    Anything else is a SyntheticError (a ValueError) naming ``flag`` and the accepted forms."""
-    text = str(class_dist).strip()
-    if text == "uniform":
-        return 0.0
-    kind, _, value = text.partition(":")
-    try:
-        s = float(value) if kind == "zipf" else math.nan
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and s >= 0):
-        raise SyntheticError(f"{flag} {class_dist!r}: expected {CLASS_DIST_FORMS}, e.g. zipf:1")
-    return s
-
-
-def class_probs(class_dist: str, num_classes: int) -> np.ndarray:
-    """[C] float64: the share of each class, p_c = (c + 1)^-S / sum_k (k + 1)^-S."""
-    w = np.arange(1, num_classes + 1, dtype=np.float64) ** -zipf_exponent(class_dist)
-    return w / w.sum()
-
-
-def class_counts(class_dist: str, num_clips: int, num_classes: int) -> list[int]:
-    """Clips per class: the largest-remainder rounding of num_clips * p_c (floors first, then
-    one more clip for the largest remainders, ties to the lower class). Sums to num_clips and
-    |count_c - num_clips * p_c| < 1; 'uniform' gives the first num_clips % C classes one more."""
-    share = num_clips * class_probs(class_dist, num_classes)
-    counts = np.floor(share).astype(np.int64)  # sum <= num_clips
-    rest = share - counts
-    order = sorted(range(num_classes), key=lambda c: (-round(rest[c], 9), c))
-    for c in order[:num_clips - int(counts.sum())]:
-        counts[c] += 1
-    return counts.tolist()
 
 
 def interleave(counts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,8 +277,9 @@ def write_av(path, frames: np.ndarray | None, fps: int, wave: np.ndarray | None,
 
 def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72, fps=15,
                   sr=16_000, redundancy=0.3, noise=0.15, seed=0, class_dist="uniform") -> Path:
-    """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,split: every 4th instance
-    of a class is a test clip); return OUT. ``classes * per_class`` clips, shared out by
+    """Write OUT/classNN/classNN_iii.mp4 and OUT/list.csv (path,label,class_name,split in the
+    list format of ``prepare --layout list``: label NN, every 4th instance of a class a test
+    clip); return OUT. ``classes * per_class`` clips, shared out by
     ``class_counts(class_dist, ...)`` (uniform: ``per_class`` each; a class whose quota is 0
     has no clip). Existing files are kept (resumable)."""
     for name, value, low in (("classes", classes, 1), ("per_class", per_class, 1), ("width", width, 2),
@@ -327,7 +291,7 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
     group_size(redundancy)  # checks the range
     counts = class_counts(class_dist, classes * per_class, classes)
     out = output_folder(out, "OUT")
-    listing = ["path,label,split"]
+    listing = ["path,label,class_name,split"]
     rng = np.random.default_rng(seed)
     params = {}
     for c in range(classes):
@@ -337,7 +301,8 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
                 p = instance_params(lambda *shape: rng.random(shape or None))  # () -> a float
                 params[key] = dict(p, colour=p["colour"].astype(np.float32))
             path = out / f"class{c:02d}" / f"class{c:02d}_{i:03d}.mp4"
-            listing.append(f"{path.relative_to(out)},class{c:02d},{'test' if held_out(i) else 'train'}")
+            listing.append(f"{path.relative_to(out).as_posix()},{c},class{c:02d},"
+                           f"{'test' if held_out(i) else 'train'}")
             if path.exists():
                 continue
             inst = params[key]

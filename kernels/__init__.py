@@ -1,6 +1,6 @@
 """Active-selection ops, dispatched at call time to the Triton kernels or the PyTorch reference.
 
-Gradient embedding (DESIGN.md §1 steps 1-3) and k-means++ seeding (steps 4-5):
+Gradient embedding (docs/DESIGN.md §1 steps 1-3) and k-means++ seeding (steps 4-5):
 
     CMACC_KERNELS=auto       (default) Triton for CUDA tensors, the PyTorch reference otherwise
     CMACC_KERNELS=reference  always the PyTorch reference (kernels/reference.py)

@@ -1,7 +1,7 @@
 """Reference ops in plain PyTorch (the k-means++ steps in numpy for CPU tensors): the contract
 every Triton kernel must meet.
 
-Math (DESIGN.md §1, steps 1-5). For candidate keys k_n (rows of ``keys``, N x d) and the M
+Math (docs/DESIGN.md §1, steps 1-5). For candidate keys k_n (rows of ``keys``, N x d) and the M
 pseudo-label queries q_j (rows of ``queries``, M x d) with their pre-head features h_j (rows
 of ``feats``, M x d_h):
 

@@ -1,4 +1,4 @@
-"""Fused gradient embedding (DESIGN.md §1 steps 1-3) in one pass over the candidate pool.
+"""Fused gradient embedding (docs/DESIGN.md §1 steps 1-3) in one pass over the candidate pool.
 
 For a tile of BLOCK_N candidate keys, everything stays on chip:
 

@@ -1,4 +1,5 @@
-"""Fused k-means++ seeding (DESIGN.md §1 steps 4-5) over factored embeddings g = alpha (x) beta.
+"""Fused k-means++ seeding (docs/DESIGN.md §1 steps 4-5) over factored embeddings
+g = alpha (x) beta.
 
 Distances use the factored algebra with an optional centre-side factor beta_c (the head view's
 Gram route, kernels/reference.py ``select_factors``; beta_c = beta otherwise):

@@ -1,5 +1,5 @@
 """One dictionary's active selection at pool capacity: gradient embedding + k-means++ seeding
-(DESIGN.md §1 steps 1-5) over buffers shaped by the pool's CAPACITY, replayed from one CUDA graph.
+(docs/DESIGN.md §1 steps 1-5) over buffers shaped by the pool's CAPACITY, replayed from one CUDA graph.
 
 A ``SelectPlan`` is built once per (capacity, M, d, d_h, k, view, tau, precision, factor dtype,
 variant, device, keys buffer) and owns every buffer of the hot path:

@@ -239,3 +239,54 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     with pytest.raises(SystemExit):
         prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--short-side", "127"])
     assert "--short-side must be an even number" in capsys.readouterr().err
+
+
+def test_symbolic_links_inside_src_are_sources_wherever_they_point(tmp_path):
+    """How many people keep datasets: SRC a link, a class folder a link, files links; the
+    targets live outside SRC, the links inside it."""
+    store = tmp_path / "store"
+    for n in ("a", "b", "c"):
+        _tiny(store / f"{n}.mp4")
+    _tiny(store / "dogs" / "d.mp4")
+    real = tmp_path / "real_src"
+    (real / "cats").mkdir(parents=True)
+    for n in ("a", "b", "c"):
+        (real / "cats" / f"{n}.mp4").symlink_to(store / f"{n}.mp4")
+    (real / "dogs").symlink_to(store / "dogs", target_is_directory=True)
+    (real / "cats" / "loop").symlink_to(real / "cats", target_is_directory=True)  # walked once
+    src = tmp_path / "src"
+    src.symlink_to(real, target_is_directory=True)
+    out = tmp_path / "out"
+    assert prep.main([str(src), str(out), "--min-seconds", "0.5", "--workers", "1"]) == 0
+    rows = _csv(out / "manifest.csv")
+    assert sorted((r["source"], r["class_name"]) for r in rows) == [
+        ("cats/a.mp4", "cats"), ("cats/b.mp4", "cats"), ("cats/c.mp4", "cats"), ("dogs/d.mp4", "dogs")]
+    assert _csv(out / "rejects.csv") == []
+
+
+def test_a_run_that_keeps_nothing_exits_non_zero(tmp_path, capsys):
+    _tiny(tmp_path / "src" / "cls" / "short.mp4")  # 0.8 s < --min-seconds 1.6
+    with pytest.raises(SystemExit) as e:
+        prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "1"])
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "kept 0 of 1 files (1 x too short)" in err[0]
+    assert str(tmp_path / "out" / "rejects.csv") in err[0]
+
+
+def test_audio_only_sounds_shorter_than_min_seconds_are_padded(tmp_path):
+    import soundfile as sf
+
+    (tmp_path / "src" / "bark").mkdir(parents=True)
+    t = np.arange(8000) / 16000  # 0.5 s, below the default --min-seconds 1.6
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)
+    sf.write(tmp_path / "src" / "bark" / "a.wav", tone, 16000)
+    s = prep.prepare(tmp_path / "src", tmp_path / "out", audio_only=True, workers=1, progress=False)
+    assert s["kept"] == 1 and s["rejected"] == 0
+    (row,) = _csv(tmp_path / "out" / "manifest.csv")
+    assert float(row["duration"]) == 1.6 and "padded with silence from 0.50 s" in row["notes"]
+    wave, sr = sf.read(tmp_path / "out" / row["audio"])
+    assert sr == 16000 and len(wave) == 25600
+    np.testing.assert_allclose(wave[:8000], tone, atol=1e-4)  # 16-bit FLAC
+    assert not wave[8000:].any()
+    assert np.load(tmp_path / "out" / row["mel"]).shape == (80, 161)

@@ -242,7 +242,7 @@ def test_unusable_output_folders_stop_with_one_line(tiny_prepared, tmp_path, mon
     with pytest.raises(SystemExit) as exc:
         prep.main([str(src), str(tmp_path / "ro")] + CFG_FLAGS)
     _one_line_error(capsys, exc, tmp_path / "ro", "cannot write there (Permission denied)")
-    assert not list((tmp_path / "ro").iterdir())
+    assert not (tmp_path / "ro").exists()  # the folder it made is removed again
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,7 +276,8 @@ BAD_MANIFESTS = [  # (case, manifest text or bytes, what the one-line error must
     ("empty file", "", ["empty file"]),
     ("header only", HEAD + "\n", ["no clips", "rejects.csv"]),
     ("binary file", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe" * 20, ["not a CSV text file"]),
-    ("id out of order", _rows("5,clips/b.webm,,,0,10,10,1.0"), ["line 3", "id '5' is not its position 1"]),
+    ("duplicate id", _rows("0,clips/b.webm,,,0,10,10,1.0"), ["line 3", "id '0' is also the id of line 2"]),
+    ("negative id", _rows("-1,clips/b.webm,,,0,10,10,1.0"), ["line 3", "id '-1' is not a whole number"]),
     ("no media", _rows("1,,,,0,10,10,1.0"), ["line 3", "no video, audio or mel path"]),
     ("a folder for a file", _rows("1,clips/dir.webm,,,0,10,10,1.0"), ["line 3", "is a folder"]),
     ("too few cells", _rows("1,clips/b.webm,,,0"), ["line 3", "wrong number of cells"]),

@@ -46,7 +46,7 @@ def _inputs(n, m, d, dh, seed=0):
 
 
 def _float64(keys, queries, feats, tau, view):
-    """DESIGN.md §1 steps 1-3 in float64, written out independently: (alpha, beta, logits)."""
+    """docs/DESIGN.md §1 steps 1-3 in float64, written out independently: (alpha, beta, logits)."""
     k, q = keys.double(), queries.double()
     s = k @ q.t() / tau  # [N, M]
     p = torch.softmax(s, 1)

@@ -60,7 +60,7 @@ def violations(module: str, imported: set[str]) -> list[str]:
             if under(name, "cmacc.apps") or under(name, "bench"):
                 bad.append(f"library module {module} imports the application {name}")
             elif (under(name, "data_dali") and module != "cmacc.data"
-                  and not any(under(name, f"data_dali.{m}") for m in ("fileio", "cli"))):
+                  and not any(under(name, f"data_dali.{m}") for m in ("fileio", "cli", "classdist"))):
                 bad.append(f"library module {module} imports {name}; only cmacc.data (the data "
                            "side) reads data_dali")
     return bad
@@ -98,3 +98,11 @@ def test_every_module_states_its_job():
     missing = [str(p.relative_to(ROOT)) for p in project_modules() + sorted((ROOT / "bench").glob("*.py"))
                if p.stat().st_size and not ast.get_docstring(ast.parse(p.read_text()))]
     assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_the_typed_config_does_not_import_the_data_side():
+    """cmacc.data builds loaders from a DataConfig; the config never imports cmacc.data back
+    (the class-distribution check comes from data_dali.classdist)."""
+    path = ROOT / "cmacc" / "config.py"
+    imported = imports_of(path.read_text(), "cmacc.config", False)
+    assert not any(under(name, "cmacc.data") for name in imported), sorted(imported)

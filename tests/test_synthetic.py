@@ -140,7 +140,8 @@ def test_files_and_memory_draw_the_same_class_grating(tmp_path):
         assert f_mem * 63 == pytest.approx(freq, rel=0.1)  # linspace(0, 1, 64): 63 pixel steps
         assert synthetic.class_grating(c, C) == pytest.approx((theta, freq))
     rows = (src / "list.csv").read_text().splitlines()
-    assert rows[0] == "path,label,split" and len(rows) == 1 + C
+    assert rows[0] == "path,label,class_name,split" and len(rows) == 1 + C
+    assert [r.split(",")[1:3] for r in rows[1:]] == [[str(c), f"class{c:02d}"] for c in range(C)]
 
 
 @pytest.mark.parametrize("C", [8, 20, 32, 101])
@@ -172,6 +173,6 @@ def test_zipf_file_dataset_has_the_quota_of_each_class(tmp_path):
     src = synthetic.write_dataset(tmp_path, classes=3, per_class=3, seconds=0.2, width=16,
                                   height=16, fps=10, class_dist="zipf:1")  # 9 p = 4.91, 2.45, 1.64
     rows = (src / "list.csv").read_text().splitlines()[1:]
-    labels = [r.split(",")[1] for r in rows]
-    assert [labels.count(f"class{c:02d}") for c in range(3)] == [5, 2, 2]
+    labels = [r.split(",")[1] for r in rows]  # integer labels, as the list format wants
+    assert [labels.count(str(c)) for c in range(3)] == [5, 2, 2]
     assert all((src / r.split(",")[0]).is_file() for r in rows)

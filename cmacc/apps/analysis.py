@@ -1,4 +1,5 @@
 """The paper's analyses as commands that write PNG plots and a Markdown report.
+Installed as the command ``cmacc-analysis`` (= ``python -m cmacc.apps.analysis``).
 
     python -m cmacc.apps.analysis diversity --out runs/analysis [--steps 500 --seeds 3]  # Fig. 3
     python -m cmacc.apps.analysis dictsize  --out runs/analysis [--sizes 32 64 128]

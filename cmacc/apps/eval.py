@@ -1,5 +1,6 @@
 """Downstream evaluation of a pretrained checkpoint: linear probe on frozen features and
-end-to-end fine-tuning, for the video or the audio encoder.
+end-to-end fine-tuning, for the video or the audio encoder. Installed as the command
+``cmacc-eval`` (= ``python -m cmacc.apps.eval``).
 
     python -m cmacc.apps.eval runs/cmacc --data synthetic --modality video --protocol linear
     python -m cmacc.apps.eval runs/cmacc/ckpt_00001000.pt --data UCF101/manifest.csv \\
@@ -42,7 +43,7 @@ class CheckpointError(UserError):
 
 def load_pretrained(path) -> tuple[CMACC, dict]:
     """The CMACC model of a checkpoint file or run folder (newest valid checkpoint), and the
-    checkpoint with its typed config under "cfg"."""
+    checkpoint with its typed config under "cfg" and its path under "file"."""
     p = Path(path)
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
@@ -72,6 +73,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"{p}: its weights do not match its own config "
                               f"({first_line(e, 160)}); {_FIX}") from None
+    state["file"] = p
     return model, state
 
 

@@ -1,4 +1,5 @@
 """The mutual-information study (paper appendix; Ozair et al. 2019, Spatial-MultiOmniglot).
+Installed as the command ``cmacc-mi`` (= ``python -m cmacc.apps.mi``).
 
 A pair (x, y) shows l characters in a grid of 32x32 cells. Position i draws its character z_i
 from the i-th alphabet (l_i characters): the paper's alphabets are the 9 largest of Omniglot's

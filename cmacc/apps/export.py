@@ -1,0 +1,177 @@
+"""Export a pretrained run's encoders as plain state dicts for other code. Installed as the
+command ``cmacc-export`` (= ``python -m cmacc.apps.export``).
+
+    python -m cmacc.apps.export runs/paper --out exported            # query encoders
+    python -m cmacc.apps.export runs/paper/ckpt_00100000.pt --out exported --keys --num-classes 101
+
+writes, from the newest valid checkpoint of a run folder (or the checkpoint given):
+
+  video_<arch>.pt     the video backbone under torchvision's names, without ``fc``
+                      (``--num-classes N``: with a freshly initialised ``fc`` of N classes)
+  audio_resnet1d.pt   the 1-D audio ResNet over the log-mel
+  model_card.json     config, data (manifest and its SHA-256), steps, date, commit, the eval
+                      results found in the run, and how to load each file
+
+Only tensors are written: ``torch.load(path, weights_only=True)`` reads every file. Loading:
+
+    model = torchvision.models.video.r3d_18()
+    model.fc = torch.nn.Identity()                     # or r3d_18(num_classes=N) with --num-classes
+    model.load_state_dict(torch.load("exported/video_r3d_18.pt", weights_only=True))
+    audio = cmacc.encoders.load_audio_encoder("exported/audio_resnet1d.pt")
+
+torchvision's models have one size (width 64, two blocks per stage); a run of another size
+(the tiny preset) exports the same names and shapes of its own, which
+``cmacc.encoders.load_video_encoder`` rebuilds (the model card says which).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from cmacc.checkpoint import save_atomic
+from cmacc.encoders import export_video, is_torchvision_size
+from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
+from data_dali.fileio import atomic_write_text
+
+from . import positive_int
+from .eval import load_pretrained
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def export(model, *, keys: bool = False, num_classes: int | None = None,
+           seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """File name → state dict of the run's video and audio backbones (query encoders, or the
+    momentum key encoders with ``keys``); ``num_classes`` adds a fresh ``fc`` (torchvision's
+    nn.Linear initialisation, seeded) so that ``<arch>(num_classes=N)`` loads the file."""
+    enc_v, enc_a = (model.h_v, model.h_a) if keys else (model.f_v, model.f_a)
+    arch = model.cfg.video_arch
+    video = export_video(enc_v.backbone)
+    if num_classes:
+        torch.manual_seed(seed)
+        fc = nn.Linear(enc_v.backbone.out_dim, num_classes)
+        video.update({f"fc.{k}": v.detach().clone() for k, v in fc.state_dict().items()})
+    audio = {k: v.detach().clone() for k, v in enc_a.backbone.state_dict().items()}
+    return {f"video_{arch}.pt": video, "audio_resnet1d.pt": audio}
+
+
+def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: int | None) -> dict:
+    """What the exported weights are and where they came from (plain JSON)."""
+    cfg = state["cfg"]
+    m = cfg.model
+    arch = m.video_arch
+    tv = is_torchvision_size(m.video_width, m.video_layers)
+    video_load = (f"model = torchvision.models.video.{arch}("
+                  + (f"num_classes={num_classes})" if num_classes else ")")
+                  + ("" if num_classes else "; model.fc = torch.nn.Identity()")
+                  + f"; model.load_state_dict(torch.load('video_{arch}.pt', weights_only=True))"
+                  ) if tv else f"model = cmacc.encoders.load_video_encoder('video_{arch}.pt')"
+    run = Path(state["file"]).parent
+    return {
+        "method": cfg.method,
+        "encoders": "key (momentum)" if keys else "query",
+        "checkpoint": str(state["file"]),
+        "steps": int(state["step"]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "checkpoint_date": datetime.datetime.fromtimestamp(
+            Path(state["file"]).stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "data": _data(cfg.data.source),
+        "config": cfg.to_dict(),
+        "video": {"file": f"video_{arch}.pt", "arch": arch, "width": m.video_width,
+                  "layers": list(m.video_layers), "features": 8 * m.video_width,
+                  "fc_classes": num_classes, "torchvision": tv, "load": video_load,
+                  "input": "[B, 3, T, H, W], normalised as data_dali's loaders do"},
+        "audio": {"file": "audio_resnet1d.pt", "width": m.audio_width,
+                  "layers": list(m.audio_layers), "n_mels": m.n_mels,
+                  "features": 8 * m.audio_width,
+                  "load": "model = cmacc.encoders.load_audio_encoder('audio_resnet1d.pt')",
+                  "input": f"[B, {m.n_mels}, L] log-mel, 100 frames per second (data_dali/audio.py)"},
+        "sha256": {name: _sha256(p) for name, p in files.items()},
+        "eval": _eval_results(run),
+    }
+
+
+def _sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data(source: str) -> dict:
+    """The pretraining data: the manifest and its hash (as it is now), or the synthetic clips."""
+    if source == "synthetic":
+        return {"source": "synthetic"}
+    p = Path(source)
+    return {"source": source, "manifest_sha256": _sha256(p) if p.is_file() else None}
+
+
+def _commit() -> str | None:
+    """The git commit of the code doing the export (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def _eval_results(run: Path) -> dict:
+    """RUN/eval/eval_*.json written by cmacc.apps.eval, by file name."""
+    found = {}
+    for p in sorted((run / "eval").glob("eval_*.json")):
+        try:
+            found[p.name] = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue  # a damaged result is left out of the card, never fatal
+    return found
+
+
+@command
+def main(argv=None):
+    p = ArgumentParser(description=__doc__)
+    p.add_argument("checkpoint", help="a run folder (its newest valid checkpoint) or a ckpt_*.pt")
+    p.add_argument("--out", required=True, help="folder for the exported files (created if missing)")
+    p.add_argument("--keys", action="store_true",
+                   help="export the momentum (key) encoders instead of the query encoders")
+    p.add_argument("--num-classes", type=positive_int, default=None,
+                   help="include a fresh fc of this many classes in the video file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh fc (with --num-classes)")
+    args = p.parse_args(argv)
+    setup_logging()
+    model, state = load_pretrained(args.checkpoint)
+    cfg = state["cfg"]
+    if args.num_classes and not is_torchvision_size(cfg.model.video_width, cfg.model.video_layers):
+        raise UserError(f"--num-classes: the run's video backbone is a scaled {cfg.model.video_arch} "
+                        f"(width {cfg.model.video_width}, layers {list(cfg.model.video_layers)}), "
+                        "which torchvision's model cannot hold; drop --num-classes and add your "
+                        "own classifier on cmacc.encoders.load_video_encoder's features")
+    out = output_folder(args.out, "--out")
+    files = {}
+    for name, sd in export(model, keys=args.keys, num_classes=args.num_classes,
+                           seed=args.seed).items():
+        files[name] = save_atomic(sd, out / name)
+    card = model_card(state, files, keys=args.keys, num_classes=args.num_classes)
+    atomic_write_text(out / "model_card.json", json.dumps(card, indent=2))
+    for name in files:
+        print(f"{out / name}")
+    print(f"{out / 'model_card.json'}")
+    print(f"video: {card['video']['load']}")
+    print(f"audio: {card['audio']['load']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
