@@ -262,8 +262,9 @@ class Trainer:
             try:
                 found = (Path(resume), ckpt.validate(resume, ckpt.load(resume)))
             except Exception as e:
+                why = str(e) if isinstance(e, ValueError) else ckpt.why_unloadable(e)
                 raise UsageError(f"--resume {resume}: not a readable checkpoint of train.py "
-                                 f"({first_line(e)}); "
+                                 f"({why}); "
                                  "pass a ckpt_*.pt file, 'auto' or 'none'") from None
             if info and found[1].get("run_id") != info["run_id"]:
                 raise UsageError(f"--out {out} holds run {info['run_id']}; resuming the run of "

@@ -227,6 +227,12 @@ def _bad_command_lines(tmp_path):
         (["--steps", "0", "--out", out], "steps must be >= 1"),
         (["--redundancy", "1.5", "--out", out], "redundancy must be in [0, 1)"),
         (["--lr", "-1", "--out", out], "lr must be > 0"),
+        (["--lr", "1e38", "--out", out], "lr must be a number <= 10"),
+        (["--lr", "nan", "--out", out], "lr must be"),
+        (["--tau", "inf", "--out", out], "tau must be a number <= 1000"),
+        (["--seed", "99999999999999999999", "--out", out], "seed must be in [0, 2147483648)"),
+        (["--video-width", "1000000000", "--out", out], "video_width must be a number <= 4096"),
+        (["--pool-size", "99999999999", "--out", out], "pool_size must be a number"),
         (["--keep", "0", "--out", out], "keep must be >= 1"),
         (["--dict-size", "4", "--out", out], "dict_size"),
         (["--data", str(tmp_path / "nope.csv"), "--out", out], "nope.csv"),
@@ -239,6 +245,23 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
         err = _usage_error(capsys, TINY + argv)
         assert msg in err, (argv, err)
         assert err.strip().count("\n") == 0 and err.startswith("error: "), err
+        assert "weights_only" not in err, err  # never torch's advice to load unsafely
+
+
+def test_a_skipped_checkpoint_says_why_in_our_words(tmp_path, caplog):
+    """A file a weights-only load refuses (it pickles an object: it could run code) is skipped
+    by --resume auto with our reason; torch's "re-run with weights_only=False" never shows."""
+    import argparse
+
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    torch.save({"step": 9, "model": argparse.Namespace(x=1)}, out / "ckpt_00000009.pt")
+    with caplog.at_level("WARNING"):
+        train.main(TINY + ["--steps", "3", "--out", str(out)])
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and "ckpt_00000009.pt" in skipped[0], skipped
+    assert "weights-only" in skipped[0] and "weights_only" not in skipped[0], skipped[0]
+    assert ckpt.load(out / "ckpt_00000003.pt")["step"] == 3
 
 
 def test_debug_shows_the_traceback(tmp_path):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import sys
 from pathlib import Path
@@ -56,7 +55,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
             state = ckpt.load(p)
         except Exception as e:  # noqa: BLE001 - corrupt or foreign bytes: torch's weights-only
             # unpickler raises UnpicklingError, EOFError, RuntimeError, but also IndexError etc.
-            raise CheckpointError(f"{p}: not a checkpoint file ({_why_unloadable(e)}); "
+            raise CheckpointError(f"{p}: not a checkpoint file ({ckpt.why_unloadable(e)}); "
                                   f"{_FIX}") from None
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise CheckpointError(f"{p}: a torch file, but not a checkpoint written by train.py (no "
@@ -73,17 +72,6 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
         raise CheckpointError(f"{p}: its weights do not match its own config "
                               f"({first_line(e, 160)}); {_FIX}") from None
     return model, state
-
-
-def _why_unloadable(e: Exception) -> str:
-    if isinstance(e, pickle.UnpicklingError):
-        return ("torch.load(weights_only=True) refuses it: not a torch.save file of tensors and "
-                "plain containers")
-    if isinstance(e, EOFError):
-        return "empty or truncated"
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    return first_line(e, 160)
 
 
 def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, frames=None):
