@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data_dali.cli import UserError, first_line, output_folder
+from data_dali.cli import Interrupted, UserError, first_line, output_folder
 from data_dali.fileio import sweep_temporaries
 
 from . import amp
@@ -106,13 +106,15 @@ class Trainer:
         self.out = Path(cfg.run.out)
         self.step = self.epoch = self.skip = self.batch_in_epoch = self.nonfinite = 0
         self.signalled = False  # set by SIGTERM/SIGINT on this rank
+        self.signum = signal.SIGINT  # the signal received (the stop of every rank is agreed)
         self.stop_requested = False  # agreed by all ranks after every step
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
 
     # -- public -------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train to ``cfg.run.steps`` (resuming per ``cfg.run.resume``); returns the summary
-        (rank 0; {} on other ranks)."""
+        (rank 0; {} on other ranks). Stopped by SIGTERM/SIGINT: saves, then raises
+        ``Interrupted`` (a cut-short run never returns a summary as if it had finished)."""
         with self._process_group(), self._stop_on_signals():
             self._setup()
             try:
@@ -126,6 +128,11 @@ class Trainer:
                     self.bar.close()
                 if self.logger is not None:
                     self.logger.close()
+            if self.stop_requested and self.step < self.cfg.run.steps:
+                raise Interrupted(
+                    f"stopped by {signal.Signals(self.signum).name} after step {self.step} of "
+                    f"{self.cfg.run.steps}; checkpoint {self.store.last} kept: run the same "
+                    "command again to continue from it (--resume auto)", self.signum)
             if self.rank != 0:
                 return {}
             return summarise(self.out, self.model.method)
@@ -194,8 +201,8 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def _request_stop(self, *_):
-        self.signalled = True
+    def _request_stop(self, signum, _frame):
+        self.signalled, self.signum = True, signum
         if du.world_size() == 1:
             self.stop_requested = True
 
