@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data_dali.cli import Interrupted, UserError, first_line, output_folder
-from data_dali.fileio import sweep_temporaries
+from data_dali.cli import Interrupted, UserError, output_folder
+from data_dali.fileio import sweep_temporaries, write_failure
 
 from . import amp
 from . import checkpoint as ckpt
@@ -40,7 +40,7 @@ from .data import train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
-from .runlog import RunLogger, StepMetrics, summarise, truncate_rows
+from .runlog import MetricsWriteError, RunLogger, StepMetrics, summarise, truncate_rows
 
 log = logging.getLogger("cmacc")
 
@@ -135,7 +135,10 @@ class Trainer:
                     "command again to continue from it (--resume auto)", self.signum)
             if self.rank != 0:
                 return {}
-            return summarise(self.out, self.model.method)
+            try:
+                return summarise(self.out, self.model.method)
+            except OSError as e:
+                raise self._write_error("summary.json", e) from None
 
     def save(self, reason: str) -> None:
         """Checkpoint: plain containers and tensors only (weights_only loads). Collective: the
@@ -152,8 +155,8 @@ class Trainer:
                          nonfinite=self.nonfinite)
             try:
                 log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
-            except OSError as e:  # a full disk, a vanished folder: the previous one stays
-                error = e
+            except Exception as e:  # a full disk (torch: RuntimeError "unexpected pos"), a
+                error = e  # vanished folder: the temporary is gone, the previous one stays
         if self.world > 1:
             failed = torch.tensor([float(error is not None)], device=self.device)
             dist.broadcast(failed, 0)
@@ -161,10 +164,13 @@ class Trainer:
                 raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
                                  f"in {self.out} (its log says why); resume with --resume auto")
         if error is not None:
-            raise UsageError(f"cannot write the checkpoint of step {self.step} in {self.out} "
-                             f"({error}); the last good checkpoint is "
-                             f"{self.store.last or 'none yet'}: free space or fix the folder, "
-                             "then resume with --resume auto") from None
+            raise self._write_error(f"the checkpoint of step {self.step}", error) from None
+
+    def _write_error(self, what: str, e: BaseException) -> UsageError:
+        """One line for a write that failed (full disk, vanished folder: any exception type)."""
+        return UsageError(f"cannot write {what} in {self.out} ({write_failure(e, self.out)}); "
+                          f"the last good checkpoint is {self.store.last or 'none yet'}: free "
+                          "space or fix the folder, then resume with --resume auto")
 
     # -- set-up -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -367,7 +373,10 @@ class Trainer:
             self.stats = self._train_step(batch) or self.stats  # None: a skipped step
             on_grid = self.step % cfg.run.log_every == 0
             if on_grid or self.step == cfg.run.steps:
-                self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
+                try:
+                    self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
+                except MetricsWriteError as e:  # rank 0 only: torchrun then ends the others
+                    raise self._write_error(e.what, e.__cause__) from None
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import functools
 import logging
 import signal
@@ -29,13 +28,13 @@ import threading
 import tempfile
 from pathlib import Path
 
+from .fileio import DISK_ERRNOS  # noqa: F401 - (where commands found it first)
+
 USER_ERROR_EXIT = 2
 INTERRUPT_EXIT = 128  # + the signal's number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM
 KEPT = ("every finished output is kept (files are written whole or not at all); run the same "
         "command again to continue")
 DEBUG_HELP = "show the full traceback of an error (errors are one line otherwise)"
-# errors of the disk being written, not of the data: full, over quota, mounted read-only
-DISK_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS") if hasattr(errno, n))
 
 
 class UserError(Exception):

@@ -269,3 +269,54 @@ def test_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(UserError, match="steps must be"):
         train.main(TINY + ["--steps", "0", "--debug", "--out", str(tmp_path)])
+
+
+# -- a real full filesystem --------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (tmpfs, mounted for the test): one tiny-preset checkpoint
+    (~4.6 MB) fits, a second does not. Skipped where mounting is not permitted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"cannot run mount ({e}): a real full filesystem needs root")
+    if p.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({p.stderr.strip()[:120]})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_checkpoint_on_a_really_full_disk_is_one_line_and_keeps_the_last(small_disk, capsys):
+    """torch.save on a full filesystem raises RuntimeError('... unexpected pos ...'), not
+    OSError: still one line naming the step and the last good checkpoint, exit 2, no
+    temporary left, the last checkpoint loadable."""
+    out = small_disk / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: cannot write the checkpoint of step 4"), lines[-1]
+    assert "disk is full" in lines[-1] and "ckpt_00000002.pt" in lines[-1], lines[-1]
+    assert _ckpts(out) == ["ckpt_00000002.pt"] and not list(out.glob(".*.tmp*"))
+    assert ckpt.load(out / "ckpt_00000002.pt")["step"] == 2
+    rows = (out / "metrics.csv").read_bytes()
+    assert rows.endswith(b"\r\n") and int(_rows(out)[-1]["step"]) == 4  # whole rows only
+
+
+def test_a_metrics_row_on_a_full_disk_is_never_half_written(small_disk):
+    """The disk fills up while a row is appended (part of it fits in the file's last page):
+    the write fails and the file still ends with its last whole row."""
+    from cmacc.runlog import CSVLog
+
+    log = CSVLog(small_disk / "m.csv", ["step", "note"])
+    log.write({"step": 1, "note": "ok"})
+    with open(small_disk / "filler", "wb", buffering=0) as f:  # take every free block
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+    with pytest.raises(OSError):
+        log.write({"step": 2, "note": "x" * 100_000})
+    log.close()
+    assert (small_disk / "m.csv").read_bytes() == b"step,note\r\n1,ok\r\n"
