@@ -47,6 +47,8 @@ FLAGS = {
         ("--loader", "data.loader", dict(choices=LOADERS, help="manifest loader: DALI (GPU decode; CPU operators "
                                          "without a GPU), the PyAV reference, or auto = DALI when it works")),
         ("--workers", "data.workers", dict(type=int, help="loader worker processes (DALI: decoder threads)")),
+        ("--max-bad-clips", "data.max_bad_clips", dict(type=int, help="damaged clips skipped, replaced and listed in "
+                                                       "OUT/bad_clips.csv before the run stops (default: 1%% of the clips, at least 10)")),
         ("--prefetch", "data.prefetch", dict(type=int, help="batches decoded ahead (default 2; memory is flat over an epoch)")),
         ("--log-every", "run.log_every", dict(type=int, help="log/metrics interval in steps")),
         ("--ckpt-every", "run.ckpt_every", dict(type=int, help="checkpoint interval in steps (0: only at the end)")),

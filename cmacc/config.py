@@ -138,6 +138,7 @@ class DataConfig:
     loader: str = "auto"  # manifest backend: DALI, the PyAV reference, or auto
     workers: int = 2  # reference-loader worker processes (DALI: decoder threads)
     prefetch: int = 2  # batches decoded ahead: loader memory does not grow with the epoch
+    max_bad_clips: int = -1  # damaged clips skipped before the run stops (-1: 1%, at least 10)
     # synthetic clips only
     clips: int = 1024
     classes: int = 10
@@ -150,6 +151,9 @@ class DataConfig:
         _positive(self, "frames", "size", "clips", "classes")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.max_bad_clips < -1:
+            raise ValueError(f"max_bad_clips must be >= 0 (or -1: 1% of the clips, at least 10), "
+                             f"got {self.max_bad_clips}")
         if not 1 <= self.prefetch <= 64:
             raise ValueError(f"prefetch must be in [1, 64] batches, got {self.prefetch}")
         if not 0.0 <= self.redundancy < 1.0:

@@ -42,6 +42,7 @@ class StepMetrics:
     nonfinite: float = 0.0  # steps skipped so far for a NaN/Inf loss or gradient
     data_wait: float = NAN  # share of the wall time spent waiting for the next batch
     t_select_visible: float = 0.0  # of t_select, seconds the step waited (overlap hides the rest)
+    bad_clips: float = 0.0  # damaged clips skipped and replaced so far (OUT/bad_clips.csv)
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -134,6 +135,7 @@ class RunLogger:
 
     def __init__(self, out, enabled: bool, tensorboard: bool, purge_step: int | None = None):
         self.enabled, self.tb = enabled, None
+        self.counters = {}  # field → a callable read at each row (running totals of the run)
         self.csv = CSVLog(Path(out) / "metrics.csv", FIELDS) if enabled else None
         if enabled and tensorboard:
             try:
@@ -147,7 +149,7 @@ class RunLogger:
         """One row; MetricsWriteError (its cause: the library's exception) if it cannot be."""
         if not self.enabled:
             return
-        row = dataclasses.asdict(m)
+        row = dict(dataclasses.asdict(m), **{k: f() for k, f in self.counters.items()})
         try:
             self.csv.write(row)
         except Exception as e:

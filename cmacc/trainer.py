@@ -228,7 +228,7 @@ class Trainer:
         try:
             self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
                                        seed=cfg.model.seed, rank=self.rank, world=self.world,
-                                       views=views, device=self.device)
+                                       views=views, device=self.device, out=self.out)
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
@@ -334,6 +334,9 @@ class Trainer:
             self.store.last = self.resume_from[0]
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 purge_step=purge)
+        bad = getattr(self.loader, "bad", None)
+        if bad is not None:  # damaged clips replaced so far (this rank's; rank 0 writes)
+            self.logger.counters["bad_clips"] = lambda: float(bad.count)
         if self.rank == 0:
             from tqdm import tqdm
 
