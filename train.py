@@ -34,7 +34,7 @@ from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS
                           POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
 from cmacc.trainer import NonFiniteLoss, Trainer
-from data_dali.cli import ArgumentParser, UserError, command, setup_logging
+from data_dali.cli import ArgumentParser, Interrupted, UserError, command, setup_logging
 
 # flag → config field ("section.field"), argparse options; one --help group per block
 FLAGS = {
@@ -48,6 +48,8 @@ FLAGS = {
         ("--loader", "data.loader", dict(choices=LOADERS, help="manifest loader: DALI (GPU decode; CPU operators "
                                          "without a GPU), the PyAV reference, or auto = DALI when it works")),
         ("--workers", "data.workers", dict(type=int, help="loader worker processes (DALI: decoder threads)")),
+        ("--max-bad-clips", "data.max_bad_clips", dict(type=int, help="damaged clips skipped, replaced and listed in "
+                                                       "OUT/bad_clips.csv before the run stops (default: 1%% of the clips, at least 10)")),
         ("--prefetch", "data.prefetch", dict(type=int, help="batches decoded ahead (default 2; memory is flat over an epoch)")),
         ("--log-every", "run.log_every", dict(type=int, help="log/metrics interval in steps")),
         ("--ckpt-every", "run.ckpt_every", dict(type=int, help="checkpoint interval in steps (0: only at the end)")),
@@ -170,6 +172,9 @@ def main(argv=None) -> int:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
         sys.exit(f"error: {e}")
+    except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
+        print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
+        return 0
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import random
 import re
 import uuid
@@ -62,6 +63,25 @@ def load(path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def why_unloadable(e: BaseException) -> str:
+    """Why ``load`` failed, in our words. torch's own message on a weights-only refusal advises
+    loading with ``weights_only=False``: the one thing never to do with a file one did not
+    write (it runs whatever code the file holds), so that text is never passed on."""
+    if isinstance(e, pickle.UnpicklingError):
+        return ("it holds objects other than tensors and plain containers, which a safe "
+                "(weights-only) load refuses; it was not written by train.py")
+    if isinstance(e, EOFError):
+        return "empty or truncated"
+    if isinstance(e, OSError):
+        return e.strerror or first_line(e, 160)
+    msg = first_line(e, 160)
+    if "weights_only" in msg.lower() or "weights only" in msg.lower():
+        return "a safe (weights-only) load refuses it: not a checkpoint of tensors and plain containers"
+    if "PytorchStreamReader" in msg or "zip archive" in msg:
+        return "damaged: not a complete torch file (truncated or overwritten)"
+    return msg
+
+
 def validate(path, ck, run_id=None) -> dict:
     """``ck`` if it is a usable checkpoint (of ``run_id`` when given), else ValueError(why)."""
     if not isinstance(ck, dict) or "step" not in ck or "model" not in ck:
@@ -82,7 +102,7 @@ def find_latest_valid(out_dir, run_id: str | None = None) -> tuple[Path, dict] |
         try:
             ck = validate(p, load(p), run_id)
         except Exception as e:  # a partial, corrupt or foreign file: never used, never fatal
-            log.warning("skipping checkpoint %s: %s", p, first_line(e))
+            log.warning("skipping checkpoint %s: %s", p, why_unloadable(e))
             continue
         log.info("newest valid checkpoint in %s: %s (step %d)", d, p.name, ck["step"])
         return p, ck

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
 from data_dali.classdist import zipf_exponent
@@ -42,6 +43,18 @@ def _positive(obj, *names):
     for name in names:
         if getattr(obj, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(obj, name)}")
+
+
+def _at_most(obj, **limits):
+    """Numbers past any sensible run (``--lr 1e38``, a width of 10**9): a ValueError naming the
+    field and its range, before they overflow or allocate deep inside torch."""
+    for name, hi in limits.items():
+        v = getattr(obj, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v <= hi):
+            raise ValueError(f"{name} must be a number <= {hi:g}, got {v!r}")
+
+
+SEEDS = 2 ** 31  # seeds are in [0, SEEDS): DALI's seed and the loaders' (seed, epoch) mix fit
 
 
 @dataclass
@@ -78,6 +91,10 @@ class ModelConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.tau <= 0:
             raise ValueError(f"tau must be > 0, got {self.tau}")
+        _at_most(self, video_width=4096, audio_width=4096, n_mels=1024, dim=65536,
+                 fcl_dim=65536, batch_size=2 ** 20, dict_size=2 ** 26, tau=1e3)
+        if not 0 <= self.seed < SEEDS:
+            raise ValueError(f"seed must be in [0, {SEEDS}), got {self.seed}")
 
 
 @dataclass
@@ -111,6 +128,7 @@ class SelectionConfig:
         _positive(self, "pool_size")
         if self.tau_p <= 0:
             raise ValueError(f"tau_p must be > 0, got {self.tau_p}")
+        _at_most(self, pool_size=2 ** 26, tau_p=1e3)
 
 
 @dataclass
@@ -123,6 +141,7 @@ class DataConfig:
     loader: str = "auto"  # manifest backend: DALI, the PyAV reference, or auto
     workers: int = 2  # reference-loader worker processes (DALI: decoder threads)
     prefetch: int = 2  # batches decoded ahead: loader memory does not grow with the epoch
+    max_bad_clips: int = -1  # damaged clips skipped before the run stops (-1: 1%, at least 10)
     # synthetic clips only
     clips: int = 1024
     classes: int = 10
@@ -135,12 +154,17 @@ class DataConfig:
         _positive(self, "frames", "size", "clips", "classes")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
+        if self.max_bad_clips < -1:
+            raise ValueError(f"max_bad_clips must be >= 0 (or -1: 1% of the clips, at least 10), "
+                             f"got {self.max_bad_clips}")
         if not 1 <= self.prefetch <= 64:
             raise ValueError(f"prefetch must be in [1, 64] batches, got {self.prefetch}")
         if not 0.0 <= self.redundancy < 1.0:
             raise ValueError(f"redundancy must be in [0, 1), got {self.redundancy}")
         if self.noise < 0:
             raise ValueError(f"noise must be >= 0, got {self.noise}")
+        _at_most(self, frames=4096, size=4096, clips=2 ** 24, classes=2 ** 20, workers=256,
+                 noise=1e3)
         zipf_exponent(self.class_dist, flag="--class-dist (class_dist)")
 
     @property
@@ -165,6 +189,7 @@ class OptimConfig:
         if self.warmup < 0 or self.weight_decay < 0:
             raise ValueError(f"warmup and weight_decay must be >= 0, got {self.warmup}, "
                              f"{self.weight_decay}")
+        _at_most(self, lr=10.0, weight_decay=10.0)
         _choice("amp", self.amp, AMPS)
 
     def lr_at(self, step: int) -> float:
@@ -196,6 +221,8 @@ class RunConfig:
             raise ValueError(f"max_nonfinite must be >= 0, got {self.max_nonfinite}")
         if self.ckpt_every < 0:
             raise ValueError(f"ckpt_every must be >= 0, got {self.ckpt_every}")
+        _at_most(self, steps=2 ** 40, log_every=2 ** 40, ckpt_every=2 ** 40, keep=2 ** 20,
+                 max_nonfinite=2 ** 40)
         _choice("device", self.device, ("cpu", "cuda"))
         _choice("dict_init", self.dict_init, DICT_INITS)
 

@@ -4,6 +4,8 @@ module of the library that imports data_dali's loaders."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 import data_dali
@@ -20,9 +22,10 @@ def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
 
 
 def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-                 views: int = 1, device="cpu"):
+                 views: int = 1, device="cpu", out=None):
     """Shuffled epochs of this rank's share of each global batch of ``batch_size`` clips
-    (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset."""
+    (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset.
+    Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv."""
     if batch_size % world:
         raise ValueError(f"batch_size {batch_size} (global M) does not divide over {world} ranks; "
                          f"use a multiple of {world}")
@@ -33,7 +36,10 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   clip_frames=dcfg.frames, crop=dcfg.size, shard_id=rank,
                                   num_shards=world, seed=seed, views=views, device=device,
                                   backend=dcfg.loader, num_workers=dcfg.workers,
-                                  prefetch=dcfg.prefetch)
+                                  prefetch=dcfg.prefetch,
+                                  bad_clips_csv=out and Path(out) / "bad_clips.csv",
+                                  max_bad_clips=None if dcfg.max_bad_clips < 0
+                                  else dcfg.max_bad_clips)
 
 
 class SyntheticSplits:

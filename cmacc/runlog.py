@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -41,13 +42,16 @@ class StepMetrics:
     nonfinite: float = 0.0  # steps skipped so far for a NaN/Inf loss or gradient
     data_wait: float = NAN  # share of the wall time spent waiting for the next batch
     t_select_visible: float = 0.0  # of t_select, seconds the step waited (overlap hides the rest)
+    bad_clips: float = 0.0  # damaged clips skipped and replaced so far (OUT/bad_clips.csv)
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
 
 
 class CSVLog:
-    """Append-only CSV with a fixed header; flushed after every row (nothing finished is lost)."""
+    """Append-only CSV with a fixed header; each row is fsynced as it is written (nothing
+    finished is lost), and a row that cannot be written whole (a full disk) is cut back off:
+    the file always ends with a complete row."""
 
     def __init__(self, path, fields: list[str]):
         self.path, self.fields = Path(path), fields
@@ -55,18 +59,28 @@ class CSVLog:
         new = not self.path.exists() or self.path.stat().st_size == 0
         if not new:
             _upgrade_header(self.path, fields)
-        self.f = open(self.path, "a", newline="")
-        self.w = csv.DictWriter(self.f, fieldnames=fields, extrasaction="ignore")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if new:
-            self.w.writeheader()
+            self._append(dict(zip(fields, fields)))
 
     def write(self, row: dict) -> None:
-        self.w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        self._append({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()})
+
+    def _append(self, row: dict) -> None:
+        buf = io.StringIO()
+        csv.DictWriter(buf, fieldnames=self.fields, extrasaction="ignore").writerow(row)
+        data, size = buf.getvalue().encode(), os.fstat(self.fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+        except BaseException:
+            os.ftruncate(self.fd, size)  # no half row
+            raise
 
     def close(self):
-        self.f.close()
+        os.close(self.fd)
 
 
 def _upgrade_header(path, fields) -> None:
@@ -106,6 +120,14 @@ def truncate_rows(path, keep) -> int:
     return len(rows) - len(kept)
 
 
+class MetricsWriteError(Exception):
+    """A metrics row could not be written (``what``; the cause: a full disk, say)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"cannot write {what}")
+        self.what = what
+
+
 class RunLogger:
     """Rank-0 metrics: a log line, a CSV row, TensorBoard scalars (optional). On other ranks
     every method does nothing. ``purge_step``: TensorBoard events from that step on (written
@@ -113,6 +135,7 @@ class RunLogger:
 
     def __init__(self, out, enabled: bool, tensorboard: bool, purge_step: int | None = None):
         self.enabled, self.tb = enabled, None
+        self.counters = {}  # field → a callable read at each row (running totals of the run)
         self.csv = CSVLog(Path(out) / "metrics.csv", FIELDS) if enabled else None
         if enabled and tensorboard:
             try:
@@ -123,14 +146,21 @@ class RunLogger:
                 log.warning("TensorBoard disabled (%s); pip install tensorboard", e)
 
     def write(self, m: StepMetrics) -> None:
+        """One row; MetricsWriteError (its cause: the library's exception) if it cannot be."""
         if not self.enabled:
             return
-        row = dataclasses.asdict(m)
-        self.csv.write(row)
+        row = dict(dataclasses.asdict(m), **{k: f() for k, f in self.counters.items()})
+        try:
+            self.csv.write(row)
+        except Exception as e:
+            raise MetricsWriteError("metrics.csv") from e
         if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, float) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, m.step)
+            try:
+                for k, v in row.items():
+                    if k != "step" and isinstance(v, float) and math.isfinite(v):
+                        self.tb.add_scalar(k, v, m.step)
+            except Exception as e:
+                raise MetricsWriteError("the TensorBoard events (OUT/tb)") from e
         log.info("step %6d | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
                  "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
                  "select %.2f ms (%.2f visible) | mfu %s", m.step, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,

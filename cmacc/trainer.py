@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data_dali.cli import UserError, first_line, output_folder
-from data_dali.fileio import sweep_temporaries
+from data_dali.cli import Interrupted, UserError, output_folder
+from data_dali.fileio import sweep_temporaries, write_failure
 
 from . import amp
 from . import checkpoint as ckpt
@@ -40,7 +40,7 @@ from .data import train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
-from .runlog import RunLogger, StepMetrics, summarise, truncate_rows
+from .runlog import MetricsWriteError, RunLogger, StepMetrics, summarise, truncate_rows
 
 log = logging.getLogger("cmacc")
 
@@ -106,13 +106,15 @@ class Trainer:
         self.out = Path(cfg.run.out)
         self.step = self.epoch = self.skip = self.batch_in_epoch = self.nonfinite = 0
         self.signalled = False  # set by SIGTERM/SIGINT on this rank
+        self.signum = signal.SIGINT  # the signal received (the stop of every rank is agreed)
         self.stop_requested = False  # agreed by all ranks after every step
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
 
     # -- public -------------------------------------------------------------------------------
     def run(self) -> dict:
         """Train to ``cfg.run.steps`` (resuming per ``cfg.run.resume``); returns the summary
-        (rank 0; {} on other ranks)."""
+        (rank 0; {} on other ranks). Stopped by SIGTERM/SIGINT: saves, then raises
+        ``Interrupted`` (a cut-short run never returns a summary as if it had finished)."""
         with self._process_group(), self._stop_on_signals():
             self._setup()
             try:
@@ -126,9 +128,17 @@ class Trainer:
                     self.bar.close()
                 if self.logger is not None:
                     self.logger.close()
+            if self.stop_requested and self.step < self.cfg.run.steps:
+                raise Interrupted(
+                    f"stopped by {signal.Signals(self.signum).name} after step {self.step} of "
+                    f"{self.cfg.run.steps}; checkpoint {self.store.last} kept: run the same "
+                    "command again to continue from it (--resume auto)", self.signum)
             if self.rank != 0:
                 return {}
-            return summarise(self.out, self.model.method)
+            try:
+                return summarise(self.out, self.model.method)
+            except OSError as e:
+                raise self._write_error("summary.json", e) from None
 
     def save(self, reason: str) -> None:
         """Checkpoint: plain containers and tensors only (weights_only loads). Collective: the
@@ -145,8 +155,8 @@ class Trainer:
                          nonfinite=self.nonfinite)
             try:
                 log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
-            except OSError as e:  # a full disk, a vanished folder: the previous one stays
-                error = e
+            except Exception as e:  # a full disk (torch: RuntimeError "unexpected pos"), a
+                error = e  # vanished folder: the temporary is gone, the previous one stays
         if self.world > 1:
             failed = torch.tensor([float(error is not None)], device=self.device)
             dist.broadcast(failed, 0)
@@ -154,10 +164,13 @@ class Trainer:
                 raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
                                  f"in {self.out} (its log says why); resume with --resume auto")
         if error is not None:
-            raise UsageError(f"cannot write the checkpoint of step {self.step} in {self.out} "
-                             f"({error}); the last good checkpoint is "
-                             f"{self.store.last or 'none yet'}: free space or fix the folder, "
-                             "then resume with --resume auto") from None
+            raise self._write_error(f"the checkpoint of step {self.step}", error) from None
+
+    def _write_error(self, what: str, e: BaseException) -> UsageError:
+        """One line for a write that failed (full disk, vanished folder: any exception type)."""
+        return UsageError(f"cannot write {what} in {self.out} ({write_failure(e, self.out)}); "
+                          f"the last good checkpoint is {self.store.last or 'none yet'}: free "
+                          "space or fix the folder, then resume with --resume auto")
 
     # -- set-up -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -194,8 +207,8 @@ class Trainer:
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def _request_stop(self, *_):
-        self.signalled = True
+    def _request_stop(self, signum, _frame):
+        self.signalled, self.signum = True, signum
         if du.world_size() == 1:
             self.stop_requested = True
 
@@ -215,7 +228,7 @@ class Trainer:
         try:
             self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
                                        seed=cfg.model.seed, rank=self.rank, world=self.world,
-                                       views=views, device=self.device)
+                                       views=views, device=self.device, out=self.out)
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
@@ -262,8 +275,9 @@ class Trainer:
             try:
                 found = (Path(resume), ckpt.validate(resume, ckpt.load(resume)))
             except Exception as e:
+                why = str(e) if isinstance(e, ValueError) else ckpt.why_unloadable(e)
                 raise UsageError(f"--resume {resume}: not a readable checkpoint of train.py "
-                                 f"({first_line(e)}); "
+                                 f"({why}); "
                                  "pass a ckpt_*.pt file, 'auto' or 'none'") from None
             if info and found[1].get("run_id") != info["run_id"]:
                 raise UsageError(f"--out {out} holds run {info['run_id']}; resuming the run of "
@@ -320,6 +334,9 @@ class Trainer:
             self.store.last = self.resume_from[0]
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 purge_step=purge)
+        bad = getattr(self.loader, "bad", None)
+        if bad is not None:  # damaged clips replaced so far (this rank's; rank 0 writes)
+            self.logger.counters["bad_clips"] = lambda: float(bad.count)
         if self.rank == 0:
             from tqdm import tqdm
 
@@ -359,7 +376,10 @@ class Trainer:
             self.stats = self._train_step(batch) or self.stats  # None: a skipped step
             on_grid = self.step % cfg.run.log_every == 0
             if on_grid or self.step == cfg.run.steps:
-                self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
+                try:
+                    self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
+                except MetricsWriteError as e:  # rank 0 only: torchrun then ends the others
+                    raise self._write_error(e.what, e.__cause__) from None
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()

@@ -1,10 +1,15 @@
 """The error convention of every command of the project: a user's mistake is one line on
 stderr naming the thing and the fix, exit code 2, no traceback (``--debug`` shows it); a real
-bug still raises.
+bug still raises. Ctrl-C (SIGINT) or SIGTERM is one line too, "interrupted; <what was kept and
+how to continue>", exit 130 (SIGINT) or 143 (SIGTERM): the signal unwinds the command like an
+exception, so every ``finally`` and atomic write cleans up on the way.
 
     class MyError(UserError): ...            # or raise UserError("--out X: ...; use ...")
 
     @command
+    def main(argv=None) -> int: ...
+
+    @command(kept="no results were written; run the same command again")
     def main(argv=None) -> int: ...
 
 Lives in data_dali, the bottom layer, so that ``python -m data_dali.prepare`` and the commands
@@ -14,22 +19,44 @@ built on cmacc (train.py, cmacc.apps.*) share it.
 from __future__ import annotations
 
 import argparse
-import errno
+import contextlib
 import functools
 import logging
+import signal
 import sys
+import threading
 import tempfile
 from pathlib import Path
 
+from .fileio import DISK_ERRNOS  # noqa: F401 - (where commands found it first)
+
 USER_ERROR_EXIT = 2
+INTERRUPT_EXIT = 128  # + the signal's number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM
+KEPT = ("every finished output is kept (files are written whole or not at all); run the same "
+        "command again to continue")
 DEBUG_HELP = "show the full traceback of an error (errors are one line otherwise)"
-# errors of the disk being written, not of the data: full, over quota, mounted read-only
-DISK_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS") if hasattr(errno, n))
 
 
 class UserError(Exception):
     """A mistake in what the user asked for (flags, files, data): the message says which and
     what to do. Commands print it as one line and exit 2."""
+
+
+class Interrupted(Exception):
+    """A command, or a run inside one, stopped by a signal after keeping what it could: the
+    message says what was kept and how to continue. Exit code ``INTERRUPT_EXIT + signum``."""
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.signum = int(signum)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, as Ctrl-C raises KeyboardInterrupt."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 def first_line(e: BaseException, limit: int | None = None) -> str:
@@ -47,23 +74,36 @@ def strip_debug(argv):
     return [a for a in args if a != "--debug"]
 
 
-def command(main):
+def command(main=None, *, kept: str = KEPT):
     """Wrap a command's ``main(argv)``: UserError → ``error: <message>`` on stderr, exit 2;
-    ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv without --debug.
-    A command that fails leaves no empty folder behind that its ``output_folder`` created."""
+    Ctrl-C / SIGTERM (or an ``Interrupted`` from a run inside) → ``interrupted; <kept>``, exit
+    128 + the signal; ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv
+    without --debug. A command that fails leaves no empty folder behind that its
+    ``output_folder`` created."""
+    if main is None:
+        return functools.partial(command, kept=kept)
 
     @functools.wraps(main)
     def run(argv=None):
         debug = wants_debug(argv)
         mark = len(_CREATED)
         try:
-            return main(strip_debug(argv))
+            with _sigterm_raises():
+                return main(strip_debug(argv))
         except BaseException as e:
             _remove_empty_created(mark)
-            if not isinstance(e, UserError) or debug:
+            if debug:
                 raise
-            print(f"error: {e}", file=sys.stderr)
-            raise SystemExit(USER_ERROR_EXIT) from None
+            if isinstance(e, UserError):
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(USER_ERROR_EXIT) from None
+            if isinstance(e, (Interrupted, KeyboardInterrupt)):
+                signum = getattr(e, "signum", signal.SIGTERM if isinstance(e, Terminated) else
+                                 signal.SIGINT)
+                print(f"interrupted; {e if isinstance(e, Interrupted) else kept}",
+                      file=sys.stderr)
+                raise SystemExit(INTERRUPT_EXIT + signum) from None
+            raise
         finally:
             del _CREATED[mark:]
 
@@ -80,6 +120,26 @@ def _remove_empty_created(mark: int) -> None:
             folder.rmdir()  # only if empty: whatever a command finished stays
         except OSError:
             pass
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM raises ``Terminated`` in the main thread while a command runs (Python's default
+    would end the process at once, skipping every clean-up)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def ignore_interrupts() -> None:
+    """For worker processes (a ``Pool`` initializer): the parent handles Ctrl-C, and ends them;
+    a worker's own KeyboardInterrupt would only print a traceback per worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -8,6 +8,7 @@ a temporary that the next run sweeps.
     atomic_write_text(out / "manifest.csv", text)
     atomic_write_bytes(out / "x.bin", data)
     sweep_temporaries(out, recursive=True)        # what a killed run left behind
+    write_failure(e, out)                         # why a write failed, in one line
 
 The temporary is a hidden sibling (same folder, so ``os.replace`` is atomic) named after the
 target and the writing process, ending in the target's extension so that encoders which pick the
@@ -20,13 +21,39 @@ imports this module too.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 # .NAME.tmpPID[SUFFIX] — e.g. .clip.webm.tmp4242.webm
 TEMPORARY = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)(?P<suffix>\.[^./]+)?$")
+
+
+# errors of the disk being written, not of the data: full, over quota, mounted read-only
+DISK_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS") if hasattr(errno, n))
+LOW_SPACE = 8 << 20  # a failed write with less free than this: the disk is full
+# what torch's zip writer (torch.save) raises on a full disk instead of OSError(ENOSPC)
+FULL_DISK_TEXT = ("unexpected pos", "file write failed", "No space left")
+
+
+def write_failure(e: BaseException, folder) -> str:
+    """Why a write into ``folder`` failed, in one line — named a full (or read-only, or
+    vanished) disk whatever the exception type: torch.save raises RuntimeError("[enforce fail
+    at inline_container.cc] unexpected pos ...") on a full filesystem, and some libraries lose
+    the errno; the free space decides then."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return f"the folder is gone or cannot be read ({text})"
+    full = (isinstance(e, OSError) and e.errno in DISK_ERRNOS) or free < LOW_SPACE or \
+        any(t in text for t in FULL_DISK_TEXT)
+    if full:
+        return f"the disk is full or refuses writes, {free / 2 ** 20:.1f} MiB free: {text}"
+    return text
 
 
 def temporary_path(path, suffix: str | None = None) -> Path:

@@ -22,6 +22,7 @@ import torch
 
 from .audio import mel_frames
 from .augment import batch_fields
+from .damaged import BadClips
 from .manifest import Manifest, ManifestError
 
 log = logging.getLogger("data_dali")
@@ -102,7 +103,8 @@ class Loader:
     DataLoaders (reference) built: one per Loader, whatever the number of epochs."""
 
     def __init__(self, manifest: Manifest, index: list[int], cfg: LoaderConfig, *, device="cpu",
-                 train=True, need_video=True, need_audio=True):
+                 train=True, need_video=True, need_audio=True, bad_clips_csv=None,
+                 max_bad_clips=None):
         if not index:
             raise ValueError(f"{manifest.file}: no usable clips for this loader (need video="
                              f"{need_video}, audio={need_audio}); check the manifest and rejects.csv")
@@ -120,6 +122,9 @@ class Loader:
         self.num_clips, self.num_classes = len(manifest), manifest.num_classes
         self.class_names, self.labels = manifest.class_names, manifest.labels
         self.audio_frames = mel_frames(cfg.clip_frames, cfg.fps)
+        # damaged clips: skipped, replaced, named in bad_clips_csv (data_dali/damaged.py)
+        self.bad = BadClips(manifest, index, seed=cfg.seed, limit=max_bad_clips,
+                            csv_path=bad_clips_csv, need_video=need_video, need_audio=need_audio)
         self.backend = self._pick_backend(cfg.backend)
         self._dali_checked = self.backend != "dali" or cfg.backend == "dali"
 
@@ -245,12 +250,13 @@ class _ReferenceStream:
         ds = ClipDataset(loader.m, loader.index, clip_frames=loader.t, crop=loader.s,
                          views=loader.views, train=loader.train, seed=loader.seed,
                          need_audio=loader.need_audio, need_video=loader.need_video,
-                         dtype=loader.dtype, temporal_jitter=loader.jitter)
+                         dtype=loader.dtype, temporal_jitter=loader.jitter, bad=loader.bad)
+        self.bad = loader.bad  # (the workers' copies find damaged clips; this one records them)
         self.pos = {i: k for k, i in enumerate(loader.index)}
         self.sampler, self.views, self.video = _EpochBatches(), loader.views, loader.need_video
         workers = loader.num_workers
         self.dl = torch.utils.data.DataLoader(
-            ds, batch_sampler=self.sampler, num_workers=workers,
+            ds, batch_sampler=self.sampler, num_workers=workers, collate_fn=_collate,
             pin_memory=loader.device.type == "cuda", persistent_workers=workers > 0,
             prefetch_factor=-(-loader.prefetch // workers) if workers else None)
 
@@ -258,13 +264,22 @@ class _ReferenceStream:
         self.sampler.batches = [[self.pos[i] for i in b] for b in batches]
         self.sampler.epoch = epoch
         for batch in self.dl:
+            for i, reason in batch.pop("bad"):
+                self.bad.record(i, reason)
             yield _with_params(batch, self.views, self.video)
+
+
+def _collate(items: list[dict]) -> dict:
+    """default_collate, with each item's list of damaged clips it replaced joined under "bad"."""
+    bad = [b for it in items for b in it.pop("bad", [])]
+    return dict(torch.utils.data.default_collate(items), bad=bad)
 
 
 def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, split=None,
                  shard_id=0, num_shards=1, seed=0, device="cpu", backend="auto", views=1,
                  num_workers=2, drop_last=True, dtype=torch.float32, train=True,
-                 need_video=True, need_audio=True, prefetch=2) -> Loader:
+                 need_video=True, need_audio=True, prefetch=2, bad_clips_csv=None,
+                 max_bad_clips=None) -> Loader:
     """Pretraining (need_video and need_audio: clips without audio are skipped, and counted in
     the log) or downstream (need_audio=False: video-only; need_video=False: audio-only) loader
     over a prepared manifest. ``fps`` must be the rate the clips were prepared at (checked).
@@ -272,7 +287,9 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
     (column, value) pair. ``train=False``: centre clip, centre crop, fixed order.
     ``prefetch``: batches decoded ahead of the consumer (DALI's queue depth; the PyAV
     DataLoader's batches in flight over all workers); memory grows with it, not with the
-    epoch length."""
+    epoch length. A damaged clip is skipped and replaced, named once in ``bad_clips_csv`` and
+    the log; more than ``max_bad_clips`` (default: 1% of the clips, at least 10) raise
+    TooManyBadClips (data_dali/damaged.py)."""
     cfg = LoaderConfig(batch_size=batch_size, clip_frames=clip_frames, crop=crop, fps=fps,
                        shard_id=shard_id, num_shards=num_shards, seed=seed, views=views,
                        num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend,
@@ -292,7 +309,7 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                  "skipped", m.file, skipped, len(m), need_video, need_audio,
                  f", split={split}" if split is not None else "")
     return Loader(m, index, cfg, device=device, train=train, need_video=need_video,
-                  need_audio=need_audio)
+                  need_audio=need_audio, bad_clips_csv=bad_clips_csv, max_bad_clips=max_bad_clips)
 
 
 HELD_OUT = 4  # the default split tests 1 in HELD_OUT clips of each class

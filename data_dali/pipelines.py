@@ -36,6 +36,7 @@ from nvidia.dali import fn, pipeline_def, types
 
 from .audio import mel_segment
 from .augment import draw_row
+from .cli import first_line
 from .reference import MEAN, STD
 
 
@@ -158,6 +159,7 @@ class ClipSource:
         self.k += 1
         cols = None
         for i in batch:
+            i = l.bad.usable(i, self.epoch)  # a damaged clip: recorded, replaced
             row = l.m.rows[i]
             vals = [np.array(i, np.int64), np.array(int(row["label"]), np.int64)]
             if l.need_video:
@@ -175,6 +177,27 @@ class ClipSource:
         return cols
 
 
+def _built(pipe, loader):
+    pipe.build()
+    loader.builds += 1
+    return pipe
+
+
+def _decode_problem(row) -> str | None:
+    """Why PyAV cannot decode the whole of a prepared clip (fewer frames than the manifest
+    says: truncated), else None."""
+    import av
+
+    try:
+        with av.open(row["video"]) as c:
+            n = sum(1 for _ in c.decode(video=0))
+    except Exception as e:  # noqa: BLE001 - PyAV on a damaged file
+        return f"cannot decode ({first_line(e, 160)})"
+    if n < int(row["frames"]):
+        return f"decodes to {n} of its {row['frames']} frames (truncated)"
+    return None
+
+
 class DaliStream:
     """A loader's pipeline, built once (``loader.builds`` counts builds) and reused by every
     epoch. One epoch runs at a time: starting one ends an unfinished one (its source stops, the
@@ -188,13 +211,13 @@ class DaliStream:
                    video_pipeline if loader.need_video else audio_pipeline)
         device_id = (loader.device.index if loader.device.index is not None
                      else torch.cuda.current_device()) if gpu else None
-        self.pipe = pipe_fn(self.source, views=loader.views, clip_frames=loader.t, crop=loader.s,
-                            gpu=gpu, dtype=types.FLOAT16 if loader.dtype == torch.float16 else
-                            types.FLOAT, batch_size=loader.batch_size,
-                            num_threads=max(1, loader.num_workers), device_id=device_id,
-                            seed=loader.seed % (2 ** 31), prefetch_queue_depth=loader.prefetch)
-        self.pipe.build()
-        loader.builds += 1
+        self._build = lambda: _built(pipe_fn(
+            self.source, views=loader.views, clip_frames=loader.t, crop=loader.s, gpu=gpu,
+            dtype=types.FLOAT16 if loader.dtype == torch.float16 else types.FLOAT,
+            batch_size=loader.batch_size, num_threads=max(1, loader.num_workers),
+            device_id=device_id, seed=loader.seed % (2 ** 31),
+            prefetch_queue_depth=loader.prefetch), loader)
+        self.pipe = self._build()
         self.running = None  # the token of the epoch in flight
 
     def epoch(self, batches, epoch):
@@ -202,6 +225,7 @@ class DaliStream:
         self.end()
         token = self.running = object()
         self.source.start(batches, epoch)
+        done = base = 0  # batches returned; the first one of the source's current list
         while self.running is token:  # a later epoch ends this one
             try:
                 # GPU: the outputs are bound to torch's stream, so DALI reuses their memory only
@@ -212,7 +236,27 @@ class DaliStream:
                 self.pipe.reset()
                 self.running = None
                 return
+            except Exception as e:  # noqa: BLE001 - a clip DALI could not decode
+                self._recover(batches[done:base + self.source.k], epoch, e)
+                self.source.start(batches[done:], epoch)
+                base = done
+                continue
+            done += 1
             yield self._batch(out)
+
+    def _recover(self, pending, epoch, error):
+        """A failed pipeline is no longer valid: name the damaged clips of the batches fed but
+        not returned (``pending``; PyAV decodes each: the reference), record them and build a
+        new pipeline; the caller goes on from the failed batch (its damaged clips replaced)."""
+        l = self.l
+        l.bad.check_limit()  # (raised inside DALI's source: said as it is)
+        fed = {l.bad.usable(i, epoch) for b in pending for i in b}
+        found = [(i, why) for i in sorted(fed) if (why := _decode_problem(l.m.rows[i]))]
+        if not found:
+            raise error  # not a damaged clip: a real fault
+        for i, why in found:
+            l.bad.record(i, why)
+        self.pipe = self._build()
 
     def end(self):
         """End the epoch in flight, if any, without decoding the rest of it."""

@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from .audio import MEL_FPS, SR, log_mel
-from .cli import DISK_ERRNOS, ArgumentParser, UserError, command, output_folder, setup_logging
+from .cli import (DISK_ERRNOS, ArgumentParser, UserError, command, ignore_interrupts,
+                  output_folder, setup_logging)
 from .fileio import atomic_path, atomic_write_bytes, atomic_write_text, sweep_temporaries
 from .manifest import FIELDS as _MANIFEST_FIELDS
 from .manifest import MAX_CLASSES, UNLABELED
@@ -707,7 +708,8 @@ def _run(jobs: list, workers, progress: bool) -> list:
         if workers > 1:
             import multiprocessing as mp
 
-            with mp.get_context("spawn").Pool(workers) as pool:  # exiting terminates the workers
+            # exiting terminates the workers; Ctrl-C is the parent's to handle (no worker traceback)
+            with mp.get_context("spawn").Pool(workers, ignore_interrupts) as pool:
                 for res in pool.imap_unordered(_job, jobs, chunksize=1):
                     results.append(res)
                     bar.update(1)

@@ -18,6 +18,8 @@ import torch
 
 from .audio import mel_segment
 from .augment import ClipParams, crop_box, draw_row
+from .cli import first_line
+from .damaged import MAX_TRIES, TooManyBadClips
 from .manifest import Manifest
 
 MEAN = (0.45, 0.45, 0.45)  # per-channel, on [0, 1] pixels
@@ -86,15 +88,16 @@ class ClipDataset(torch.utils.data.Dataset):
 
     def __init__(self, manifest: Manifest, index, *, clip_frames=16, crop=112, views=1,
                  train=True, seed=0, need_audio=True, start=None, dtype=torch.float32,
-                 temporal_jitter=None, need_video=True):
+                 temporal_jitter=None, need_video=True, bad=None):
         """train: random start + augmentation; train=False: the centre clip, centre crop, unless
         ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip).
-        ``start``: force the first view's start frame."""
+        ``start``: force the first view's start frame. ``bad`` (data_dali.damaged.BadClips):
+        a damaged clip is replaced, and the item lists it under "bad" [(index, reason)]."""
         self.m, self.index = manifest, list(index)
         self.jitter = train if temporal_jitter is None else temporal_jitter
         self.t, self.s, self.views, self.train = clip_frames, crop, views, train
         self.seed, self.epoch, self.need_audio, self.start, self.dtype = seed, 0, need_audio, start, dtype
-        self.need_video = need_video
+        self.need_video, self.bad = need_video, bad
 
     def __len__(self):
         return len(self.index)
@@ -121,6 +124,23 @@ class ClipDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         k, epoch = key if isinstance(key, tuple) else (key, self.epoch)
         i = self.index[k]
+        if self.bad is None:
+            return self._item(i, epoch)
+        damaged = []
+        for attempt in range(MAX_TRIES):
+            reason = self.bad.check(i)
+            if reason is None:
+                try:
+                    return dict(self._item(i, epoch), bad=damaged)
+                except Exception as e:  # noqa: BLE001 - PyAV/NumPy on a damaged file
+                    reason = f"cannot decode ({first_line(e, 160)})"
+                    self.bad.mark(i, reason)
+            damaged.append((i, reason))
+            i = self.bad.replacement(i, epoch, attempt)
+        raise TooManyBadClips(f"{self.m.file}: {MAX_TRIES} damaged clips in a row; re-run "
+                              "`python -m data_dali.prepare`")
+
+    def _item(self, i: int, epoch: int) -> dict:
         out = {"index": i, "label": int(self.m.rows[i]["label"])}
         for v in range(self.views):
             sfx = "" if v == 0 else str(v + 1)

@@ -227,6 +227,12 @@ def _bad_command_lines(tmp_path):
         (["--steps", "0", "--out", out], "steps must be >= 1"),
         (["--redundancy", "1.5", "--out", out], "redundancy must be in [0, 1)"),
         (["--lr", "-1", "--out", out], "lr must be > 0"),
+        (["--lr", "1e38", "--out", out], "lr must be a number <= 10"),
+        (["--lr", "nan", "--out", out], "lr must be"),
+        (["--tau", "inf", "--out", out], "tau must be a number <= 1000"),
+        (["--seed", "99999999999999999999", "--out", out], "seed must be in [0, 2147483648)"),
+        (["--video-width", "1000000000", "--out", out], "video_width must be a number <= 4096"),
+        (["--pool-size", "99999999999", "--out", out], "pool_size must be a number"),
         (["--keep", "0", "--out", out], "keep must be >= 1"),
         (["--dict-size", "4", "--out", out], "dict_size"),
         (["--data", str(tmp_path / "nope.csv"), "--out", out], "nope.csv"),
@@ -239,6 +245,23 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
         err = _usage_error(capsys, TINY + argv)
         assert msg in err, (argv, err)
         assert err.strip().count("\n") == 0 and err.startswith("error: "), err
+        assert "weights_only" not in err, err  # never torch's advice to load unsafely
+
+
+def test_a_skipped_checkpoint_says_why_in_our_words(tmp_path, caplog):
+    """A file a weights-only load refuses (it pickles an object: it could run code) is skipped
+    by --resume auto with our reason; torch's "re-run with weights_only=False" never shows."""
+    import argparse
+
+    out = tmp_path / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    torch.save({"step": 9, "model": argparse.Namespace(x=1)}, out / "ckpt_00000009.pt")
+    with caplog.at_level("WARNING"):
+        train.main(TINY + ["--steps", "3", "--out", str(out)])
+    skipped = [r.getMessage() for r in caplog.records if "skipping checkpoint" in r.getMessage()]
+    assert len(skipped) == 1 and "ckpt_00000009.pt" in skipped[0], skipped
+    assert "weights-only" in skipped[0] and "weights_only" not in skipped[0], skipped[0]
+    assert ckpt.load(out / "ckpt_00000003.pt")["step"] == 3
 
 
 def test_debug_shows_the_traceback(tmp_path):
@@ -246,3 +269,54 @@ def test_debug_shows_the_traceback(tmp_path):
 
     with pytest.raises(UserError, match="steps must be"):
         train.main(TINY + ["--steps", "0", "--debug", "--out", str(tmp_path)])
+
+
+# -- a real full filesystem --------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB filesystem (tmpfs, mounted for the test): one tiny-preset checkpoint
+    (~4.6 MB) fits, a second does not. Skipped where mounting is not permitted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        pytest.skip(f"cannot run mount ({e}): a real full filesystem needs root")
+    if p.returncode != 0:
+        pytest.skip(f"mounting a tmpfs is not permitted here ({p.stderr.strip()[:120]})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_a_checkpoint_on_a_really_full_disk_is_one_line_and_keeps_the_last(small_disk, capsys):
+    """torch.save on a full filesystem raises RuntimeError('... unexpected pos ...'), not
+    OSError: still one line naming the step and the last good checkpoint, exit 2, no
+    temporary left, the last checkpoint loadable."""
+    out = small_disk / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("error: cannot write the checkpoint of step 4"), lines[-1]
+    assert "disk is full" in lines[-1] and "ckpt_00000002.pt" in lines[-1], lines[-1]
+    assert _ckpts(out) == ["ckpt_00000002.pt"] and not list(out.glob(".*.tmp*"))
+    assert ckpt.load(out / "ckpt_00000002.pt")["step"] == 2
+    rows = (out / "metrics.csv").read_bytes()
+    assert rows.endswith(b"\r\n") and int(_rows(out)[-1]["step"]) == 4  # whole rows only
+
+
+def test_a_metrics_row_on_a_full_disk_is_never_half_written(small_disk):
+    """The disk fills up while a row is appended (part of it fits in the file's last page):
+    the write fails and the file still ends with its last whole row."""
+    from cmacc.runlog import CSVLog
+
+    log = CSVLog(small_disk / "m.csv", ["step", "note"])
+    log.write({"step": 1, "note": "ok"})
+    with open(small_disk / "filler", "wb", buffering=0) as f:  # take every free block
+        with pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+    with pytest.raises(OSError):
+        log.write({"step": 2, "note": "x" * 100_000})
+    log.close()
+    assert (small_disk / "m.csv").read_bytes() == b"step,note\r\n1,ok\r\n"

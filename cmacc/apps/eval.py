@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import re
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
             state = ckpt.load(p)
         except Exception as e:  # noqa: BLE001 - corrupt or foreign bytes: torch's weights-only
             # unpickler raises UnpicklingError, EOFError, RuntimeError, but also IndexError etc.
-            raise CheckpointError(f"{p}: not a checkpoint file ({_why_unloadable(e)}); "
+            raise CheckpointError(f"{p}: not a checkpoint file ({ckpt.why_unloadable(e)}); "
                                   f"{_FIX}") from None
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise CheckpointError(f"{p}: a torch file, but not a checkpoint written by train.py (no "
@@ -75,17 +74,6 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
                               f"({first_line(e, 160)}); {_FIX}") from None
     state["file"] = p
     return model, state
-
-
-def _why_unloadable(e: Exception) -> str:
-    if isinstance(e, pickle.UnpicklingError):
-        return ("torch.load(weights_only=True) refuses it: not a torch.save file of tensors and "
-                "plain containers")
-    if isinstance(e, EOFError):
-        return "empty or truncated"
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    return first_line(e, 160)
 
 
 def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, frames=None):
@@ -140,21 +128,30 @@ def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu
     ds, chosen = eval_data(state["cfg"], data, modality=modality, protocol=protocol,
                            splits=splits, frames=frames)
     results = []
-    for name, tr, te in chosen:
-        backbone = _fresh_copy(enc.backbone).to(device)
-        if protocol == "linear":
-            xtr, ytr, _ = extract_features(backbone, ds.batches(tr, batch_size), key, device, 1)
-            xte, yte, _ = extract_features(backbone, ds.batches(te, batch_size), key, device, clips)
-            res = linear_probe(xtr, ytr, xte, yte, num_classes=ds.num_classes)
-        else:
-            res = finetune(backbone, enc.backbone.out_dim, ds.num_classes,
-                           ds.batches(tr, batch_size, shuffle_seed=1), ds.batches(te, batch_size),
-                           key, device, epochs=epochs, lr=lr, clips=clips)
+    for k, (name, tr, te) in enumerate(chosen):
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
+            torch.manual_seed(_SEED + k)  # the head's init, dropout: the same on every run
+            res = _evaluate_split(enc, ds, tr, te, key=key, protocol=protocol, device=device,
+                                  clips=clips, epochs=epochs, lr=lr, batch_size=batch_size)
         res["split"] = name
         log.info("%s %s %s: top-1 %.4f", modality, protocol, name, res["top1"])
         results.append(res)
     mean = sum(r["top1"] for r in results) / len(results)
     return {"modality": modality, "protocol": protocol, "top1_mean": mean, "splits": results}
+
+
+_SEED = 20210503  # the evaluation's own seed (split k uses _SEED + k): results repeat
+
+
+def _evaluate_split(enc, ds, tr, te, *, key, protocol, device, clips, epochs, lr, batch_size):
+    backbone = _fresh_copy(enc.backbone).to(device)
+    if protocol == "linear":
+        xtr, ytr, _ = extract_features(backbone, ds.batches(tr, batch_size), key, device, 1)
+        xte, yte, _ = extract_features(backbone, ds.batches(te, batch_size), key, device, clips)
+        return linear_probe(xtr, ytr, xte, yte, num_classes=ds.num_classes)
+    return finetune(backbone, enc.backbone.out_dim, ds.num_classes,
+                    ds.batches(tr, batch_size, shuffle_seed=1), ds.batches(te, batch_size),
+                    key, device, epochs=epochs, lr=lr, clips=clips)
 
 
 def _fresh_copy(module):
@@ -178,7 +175,8 @@ def write_results(res: dict, out: Path) -> tuple[Path, Path]:
     return js, md
 
 
-@command
+@command(kept="no results were written (they are, whole, once every split has finished); run "
+               "the same command again: it gives the same figures")
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("checkpoint", help="a ckpt_*.pt file or a run folder (newest valid checkpoint)")

@@ -1,0 +1,215 @@
+"""Damaged clips met while loading (a file truncated or overwritten after prepare: a disk
+error, a partial copy, a sync still running): checked cheaply before decode, skipped and
+replaced, named once in OUT/bad_clips.csv and the log, counted; too many stop the run.
+
+    bad = BadClips(manifest, index, seed=0, limit=10, csv_path=out / "bad_clips.csv")
+    reason = bad.check(i)                      # None, or why clip i cannot be used
+    j = bad.replacement(i, epoch, attempt)     # a usable clip in its place (deterministic)
+    bad.record(i, reason)                      # log + CSV once; TooManyBadClips past the limit
+
+The checks need no decode: the video file is a WebM whose EBML header and Segment size say how
+many bytes it must hold (what prepare wrote: a shorter file is truncated); the log-mel loads,
+has 80 bands and only finite values (a NaN would poison the loss steps later, unnamed). A clip
+that passes them and still fails to decode is found by the loader (PyAV raises; a DALI
+pipeline fails and is rebuilt) and goes the same way.
+
+A replacement is drawn from (seed, epoch, clip, attempt) among the loader's clips, so it is the
+same on every run and resume, and its dataset index travels with it: the dictionaries store
+the index of the clip whose keys they hold.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .cli import UserError, first_line
+from .manifest import Manifest
+
+log = logging.getLogger("data_dali")
+FIELDS = ["index", "id", "file", "reason"]
+EBML_MAGIC = b"\x1a\x45\xdf\xa3"
+SEGMENT_ID = b"\x18\x53\x80\x67"
+MAX_TRIES = 64  # replacements tried for one sample before giving up (all damaged?)
+
+
+class TooManyBadClips(UserError):
+    """More damaged clips than --max-bad-clips: the data needs fixing, not the run."""
+
+
+def default_limit(clips: int) -> int:
+    """--max-bad-clips by default: 1% of the clips, at least 10."""
+    return max(10, math.ceil(0.01 * clips))
+
+
+def _vint(data: bytes, pos: int) -> tuple[int, int] | None:
+    """An EBML variable-length integer at ``pos``: (value, its length); None if cut off.
+    All-ones values (unknown size) are returned as -1."""
+    if pos >= len(data) or data[pos] == 0:
+        return None
+    n = 8 - data[pos].bit_length() + 1
+    if pos + n > len(data):
+        return None
+    value = data[pos] & (0xFF >> n)
+    for b in data[pos + 1:pos + n]:
+        value = (value << 8) | b
+    return (-1 if value == (1 << (7 * n)) - 1 else value), n
+
+
+def webm_problem(path) -> str | None:
+    """Why the WebM file at ``path`` is unusable without decoding it (missing, empty, not a
+    WebM, or shorter than its Segment says: truncated), else None."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        return f"cannot read the video ({e.strerror or e})"
+    if size == 0:
+        return "the video file is empty"
+    if not head.startswith(EBML_MAGIC):
+        return "the video file is not a WebM (no EBML header): overwritten or not from prepare"
+    hdr = _vint(head, 4)
+    if hdr is None:
+        return "the video file's header is cut off"
+    seg = 4 + hdr[1] + hdr[0]
+    if head[seg:seg + 4] != SEGMENT_ID:
+        return None  # another layout: left to the decoder
+    length = _vint(head, seg + 4)
+    if length is None:
+        return "the video file's header is cut off"
+    if length[0] >= 0 and size < seg + 4 + length[1] + length[0]:
+        return (f"the video file is truncated ({size} of {seg + 4 + length[1] + length[0]} "
+                "bytes)")
+    return None
+
+
+def mel_problem(path) -> str | None:
+    """Why the log-mel .npy at ``path`` is unusable (unreadable, truncated, not [80, frames],
+    non-finite values), else None."""
+    try:
+        mel = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        return f"cannot read the log-mel ({first_line(e, 100)})"
+    if mel.ndim != 2 or mel.shape[0] != 80 or mel.shape[1] == 0:
+        return f"the log-mel has shape {list(mel.shape)}, not [80, frames]"
+    if not np.isfinite(mel).all():
+        return "the log-mel holds non-finite values (NaN/Inf)"
+    return None
+
+
+class BadClips:
+    """The damaged clips of one loader: checks, replacements, the record and the limit.
+    ``found`` maps dataset index → reason (this process); ``count`` is what ``record`` saw."""
+
+    def __init__(self, manifest: Manifest, index: list[int], *, seed: int = 0,
+                 limit: int | None = None, csv_path=None, need_video=True, need_audio=True):
+        self.m, self.index, self.seed = manifest, list(index), int(seed)
+        self.limit = default_limit(len(manifest)) if limit is None else int(limit)
+        self.csv_path = Path(csv_path) if csv_path else None
+        self.need_video, self.need_audio = need_video, need_audio
+        self.found: dict[int, str] = {}
+        self.checked: set[int] = set()
+        self.files: dict[int, str] = {}  # the damaged file of a clip, when not its video
+        self.counted: set[int] = set()
+        self.listed = self._read_csv()
+
+    def check(self, i: int) -> str | None:
+        """Why clip ``i`` cannot be used (known, or found by the cheap checks), else None."""
+        if i in self.found:
+            return self.found[i]
+        if i in self.checked:
+            return None
+        row = self.m.rows[i]
+        reason = None
+        if self.need_video and row["video"]:
+            reason = webm_problem(row["video"])
+        if reason is None and self.need_audio and row["mel"]:
+            reason = mel_problem(row["mel"])
+            self.files[i] = row["mel"]  # (the file to name, if it is the damaged one)
+        self.checked.add(i)
+        if reason is not None:
+            self.found[i] = reason
+        return reason
+
+    def mark(self, i: int, reason: str) -> None:
+        """Clip ``i`` failed to decode: never used again in this process."""
+        self.found.setdefault(i, reason)
+
+    def replacement(self, i: int, epoch: int, attempt: int = 0) -> int:
+        """A clip in place of ``i`` for this epoch: drawn from (seed, epoch, i, attempt) among
+        the loader's clips not known to be damaged; deterministic."""
+        rng = np.random.default_rng([self.seed, epoch + 1, i, attempt])
+        for _ in range(MAX_TRIES):
+            j = self.index[int(rng.integers(len(self.index)))]
+            if j != i and j not in self.found:
+                return j
+        raise TooManyBadClips(f"{self.m.file}: no usable clip found to replace clip {i} (are "
+                              "most clips damaged?); re-run `python -m data_dali.prepare`")
+
+    def usable(self, i: int, epoch: int) -> int:
+        """Clip ``i``, or (when it is damaged: recorded) its replacement for ``epoch``."""
+        for attempt in range(MAX_TRIES):
+            reason = self.check(i)
+            if reason is None:
+                return i
+            self.record(i, reason)
+            i = self.replacement(i, epoch, attempt)
+        raise TooManyBadClips(f"{self.m.file}: {MAX_TRIES} damaged clips in a row; re-run "
+                              "`python -m data_dali.prepare`")
+
+    def record(self, i: int, reason: str) -> None:
+        """Count clip ``i`` (once per process), log it, add it to bad_clips.csv (once over
+        runs: a resumed run reads the file); TooManyBadClips past ``limit``."""
+        self.mark(i, reason)
+        if i in self.counted:
+            return
+        self.counted.add(i)
+        row = self.m.rows[i]
+        name = self.files.get(i) or row["video"] or row["mel"]
+        log.warning("damaged clip %s (row %d): %s; skipped and replaced (%d so far, at most %d)",
+                    name, i, reason, self.count, self.limit)
+        if i not in self.listed:
+            self.listed.add(i)
+            self._append(dict(index=i, id=row.get("id", i), file=name, reason=reason))
+        self.check_limit()
+
+    def check_limit(self) -> None:
+        """TooManyBadClips if more than ``limit`` damaged clips were met."""
+        if self.count > self.limit:
+            where = f" (listed in {self.csv_path})" if self.csv_path else ""
+            raise TooManyBadClips(
+                f"{self.m.file}: {self.count} damaged clips, more than --max-bad-clips "
+                f"{self.limit}{where}; re-run `python -m data_dali.prepare` on their sources, or "
+                "raise --max-bad-clips")
+
+    @property
+    def count(self) -> int:
+        return len(self.counted)
+
+    def _read_csv(self) -> set[int]:
+        if self.csv_path is None or not self.csv_path.is_file():
+            return set()
+        with open(self.csv_path, newline="", encoding="utf-8") as f:
+            return {int(r["index"]) for r in csv.DictReader(f) if (r.get("index") or "").isdigit()}
+
+    def _append(self, row: dict) -> None:
+        """One whole line appended (O_APPEND: the ranks of a run may share the file)."""
+        if self.csv_path is None:
+            return
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=FIELDS)
+        fd = os.open(self.csv_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size == 0:
+                w.writeheader()
+            w.writerow(row)
+            os.write(fd, buf.getvalue().encode())
+        finally:
+            os.close(fd)
