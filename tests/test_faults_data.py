@@ -24,6 +24,7 @@ import pytest
 import data_dali.cli
 from data_dali import prepare as prep
 from data_dali import synthetic
+from data_dali.prepare import transcode
 from data_dali.cli import UserError, command
 from data_dali.loader import EvalSplits
 from data_dali.manifest import Manifest, ManifestError
@@ -120,7 +121,7 @@ def _fail_on_call(n, error):
             raise error
         return original(path, data)
 
-    original = prep._write_npy
+    original = transcode._write_npy
     return write
 
 
@@ -132,10 +133,10 @@ def test_a_full_disk_stops_with_one_line_and_leaves_nothing_half_made(
         tiny_prepared, tmp_path, monkeypatch, capsys, error, low_disk):
     src, clean = tiny_prepared
     out = tmp_path / "out"
-    monkeypatch.setattr(prep, "_write_npy", _fail_on_call(3, error))
+    monkeypatch.setattr(transcode, "_write_npy", _fail_on_call(3, error))
     if low_disk:
         usage = shutil.disk_usage(tmp_path)
-        monkeypatch.setattr(prep.shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1 << 20))
     with pytest.raises(SystemExit) as exc:
         prep.main([str(src), str(out), "--no-space-check"] + CFG_FLAGS)
     _one_line_error(capsys, exc, out, "full", "class00/class00_002.mp4", "run the same command again")
@@ -159,7 +160,7 @@ def test_a_full_disk_on_a_redo_keeps_the_last_manifest_usable(tiny_prepared, tmp
     manifest = (out / "manifest.csv").read_bytes()
     for k in (1, 4):  # changed sources: redone on the next run
         shutil.copy(src / "class01" / "class01_000.mp4", src / "class00" / f"class00_00{k}.mp4")
-    monkeypatch.setattr(prep, "_write_npy", _fail_on_call(2, OSError(errno.ENOSPC, "No space")))
+    monkeypatch.setattr(transcode, "_write_npy", _fail_on_call(2, OSError(errno.ENOSPC, "No space")))
     with pytest.raises(SystemExit) as exc:
         prep.main([str(src), str(out)] + CFG_FLAGS)
     _one_line_error(capsys, exc, out, "class00/class00_004.mp4")
@@ -172,7 +173,7 @@ def test_the_free_space_check_fails_early_naming_the_numbers(tiny_prepared, tmp_
     out = tmp_path / "out"
     size = sum(p.stat().st_size for p in src.rglob("*.mp4"))
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(prep.shutil, "disk_usage", lambda p: usage._replace(free=1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=1000))
     with pytest.raises(SystemExit) as exc:
         prep.main([str(src), str(out)] + CFG_FLAGS)
     _one_line_error(capsys, exc, out, f"{size / 1e6:.2f} MB", "0.00 MB free", "--no-space-check")
@@ -183,16 +184,16 @@ def test_the_free_space_check_fails_early_naming_the_numbers(tiny_prepared, tmp_
 SLOW_MEL = """
 import sys, time
 import numpy as np
-from data_dali import prepare as p
+from data_dali.prepare import main, transcode
 
 def slow(path, arr):  # the mel of every file takes 0.5 s to write: a kill lands mid-write
-    with p.atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with transcode.atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.save(f, arr)
         f.flush()
         time.sleep(0.5)
 
-p._write_npy = slow
-p.main(sys.argv[1:])
+transcode._write_npy = slow
+main(sys.argv[1:])
 """
 
 

@@ -1,0 +1,193 @@
+"""The run: scan, assign outputs, check space, prepare every file (in worker processes, with a
+progress bar), write manifest.csv and rejects.csv and the summary; the command line.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+from ..cli import ArgumentParser, command, ignore_interrupts, output_folder, setup_logging
+from ..fileio import atomic_write_bytes, sweep_temporaries
+from ..manifest import FIELDS as _MANIFEST_FIELDS
+from .config import PrepareConfig, PrepareError
+from .outputs import _assign_outputs, _check_space, _remove_unfinished, _writing, SPACE_FACTOR
+from .records import _job
+from .sources import LAYOUTS, scan
+
+log = logging.getLogger("data_dali.prepare")
+
+FIELDS = _MANIFEST_FIELDS + ["notes"]
+
+
+def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, workers=None,
+            retry_rejects=False, progress=True, audio_only=None, space_check=True) -> dict:
+    """Prepare SRC into OUT; returns the summary (also what the CLI prints). A PrepareError
+    (a UserError) for a mistake in the arguments or an output disk that is full or cannot be
+    written; a run stopped early (that, Ctrl-C) leaves no partial output and the manifest of
+    the last complete run, and the same call again finishes the job."""
+    src, out = Path(src).resolve(), Path(out).resolve()
+    cfg = cfg or PrepareConfig()
+    if out == src or any(d in src.parents or d == src for d in (out / "clips", out / "records")):
+        raise PrepareError(f"{out}: OUT must not be SRC ({src}) or hold it in its clips/ or "
+                           "records/; pick another folder")
+    esc = layout == "esc50" or (layout == "auto" and (src / "meta" / "esc50.csv").is_file())
+    audio_only = esc if audio_only is None else (audio_only or esc)
+    items, warnings = scan(src, layout, list_file, splits, audio_only=audio_only, exclude=out)
+    for w in warnings:
+        log.warning("%s", w)
+    if not items:
+        raise PrepareError(f"{src}: no {'audio' if audio_only else 'video'} files found; expected "
+                           "SRC/<class name>/<files> (or --layout list/ucf101/hmdb51/esc50)")
+    output_folder(out, "OUT")
+    with _writing(out, "starting"):
+        (out / "records").mkdir(exist_ok=True)
+        swept = sum(sweep_temporaries(out / sub, recursive=sub == "clips")
+                    for sub in ("clips", "records", "."))
+    if swept:
+        log.info("removed %d temporary files left by an interrupted run", swept)
+    _assign_outputs(items, src, out)
+    if space_check:
+        _check_space(src, out, items)
+    jobs = [(src, out, it, cfg, audio_only, retry_rejects) for it in items if it.get("out")]
+    results = [(it, {"reject": it["reject"]}, False) for it in items if not it.get("out")]
+    try:
+        results += _run(jobs, workers, progress)
+    except BaseException:  # a full disk, Ctrl-C: nothing half-made stays
+        _remove_unfinished(out, items)
+        raise
+    with _writing(out, "writing manifest.csv"):
+        return _finish(out, items, results, warnings)
+
+
+def _run(jobs: list, workers, progress: bool) -> list:
+    """``_job`` over ``jobs`` in ``workers`` processes (default: all cores), with a progress bar."""
+    from tqdm import tqdm
+
+    workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
+    results = []
+    with tqdm(total=len(jobs), desc="prepare", unit="file", disable=None if progress else True) as bar:
+        if workers > 1:
+            import multiprocessing as mp
+
+            # exiting terminates the workers; Ctrl-C is the parent's to handle (no worker traceback)
+            with mp.get_context("spawn").Pool(workers, ignore_interrupts) as pool:
+                for res in pool.imap_unordered(_job, jobs, chunksize=1):
+                    results.append(res)
+                    bar.update(1)
+        else:
+            for j in jobs:
+                results.append(_job(j))
+                bar.update(1)
+    return results
+
+
+def _finish(out: Path, items, results, warnings) -> dict:
+    results.sort(key=lambda r: r[0]["rel"])
+    # labels: from the source (ints in a list file, ESC-50 targets) or the sorted class names of
+    # every scanned file (stable when some files are rejected)
+    if all(it["label"] is not None for it in items):
+        label_of = {it["class_name"]: it["label"] for it in items}
+    else:
+        label_of = {c: i for i, c in enumerate(sorted({it["class_name"] for it in items}))}
+    rows, rejects, reasons, noted, skipped = [], [], Counter(), Counter(), 0
+    for it, rec, was_done in results:
+        skipped += was_done
+        if "reject" in rec:
+            rejects.append(dict(file=it["rel"], reason=rec["reject"]))
+            reasons[re.split(r" \(|;", rec["reject"])[0]] += 1
+            continue
+        r = rec["row"]
+        for n in filter(None, r.get("notes", "").split(" | ")):
+            noted[re.split(r" \(|:", n)[0]] += 1
+        label = it["label"] if it["label"] is not None else label_of[it["class_name"]]
+        rows.append(dict(id=len(rows), label=label, class_name=it["class_name"],
+                         split1=it["split1"], split2=it["split2"], split3=it["split3"],
+                         fold=it["fold"], source=it["rel"], **r))
+    _write_csv(out / "manifest.csv", rows, FIELDS)
+    _write_csv(out / "rejects.csv", rejects, ["file", "reason"])
+    stray = _stray_outputs(out, rows)
+    if stray:
+        warnings.append(f"{stray} files in {out / 'clips'} are in no manifest row (outputs of "
+                        "removed sources or of an older data_dali); delete that folder and run "
+                        "again to drop them")
+        log.warning("%s", warnings[-1])
+    summary = dict(files=len(items), kept=len(rows), rejected=len(rejects),
+                   skipped_done=skipped, processed=len(items) - skipped,
+                   classes=len({r["label"] for r in rows}),
+                   video_only=sum(1 for r in rows if r["video"] and not r["audio_present"]),
+                   rejects_by_reason=dict(sorted(reasons.items())), noted=dict(sorted(noted.items())),
+                   warnings=warnings, manifest=str(out / "manifest.csv"),
+                   rejects=str(out / "rejects.csv"))
+    log.info("kept %d of %d files (%d rejected, see %s)", len(rows), len(items), len(rejects),
+             out / "rejects.csv")
+    return summary
+
+
+def _stray_outputs(out: Path, rows: list[dict]) -> int:
+    """How many files under OUT/clips no manifest row refers to."""
+    listed = {os.path.join(out, r[k]) for r in rows for k in ("video", "audio", "mel") if r[k]}
+    return sum(os.path.join(root, f) not in listed
+               for root, _, files in os.walk(out / "clips") for f in files)
+
+
+def _write_csv(path: Path, rows: list[dict], fields: list[str]):
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    data = buf.getvalue().encode()
+    if path.is_file() and path.read_bytes() == data:
+        return  # unchanged: leave the file (and its mtime) alone
+    atomic_write_bytes(path, data)
+
+
+@command
+def main(argv=None):
+    p = ArgumentParser(prog="python -m data_dali.prepare",
+                       description=sys.modules[__package__].__doc__)
+    p.add_argument("src", help="source folder")
+    p.add_argument("out", help="output folder (clips/, manifest.csv, rejects.csv, records/); "
+                   "created if missing; may be inside SRC (it is never read as a source)")
+    p.add_argument("--layout", default="auto", choices=LAYOUTS,
+                   help="auto: esc50 if SRC/meta/esc50.csv exists, list if --list, else folders")
+    p.add_argument("--list", dest="list_file", help="CSV with a header path,label[,split][,fold][,class_name]; "
+                   "paths relative to SRC (layout list)")
+    p.add_argument("--splits", help="folder of official split files (ucf101: ucfTrainTestlist, "
+                   "hmdb51: testTrainMulti_7030_splits)")
+    p.add_argument("--audio-only", action="store_true", help="an audio dataset (implied by esc50)")
+    p.add_argument("--fps", type=float, default=10.0, help="target frame rate (paper: 10)")
+    p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even)")
+    p.add_argument("--min-seconds", type=float, default=1.6,
+                   help="reject videos shorter than this (audio-only: pad shorter sounds with silence to it)")
+    p.add_argument("--crf", type=int, default=32, help="VP9 quality, 0-63 (lower = better)")
+    p.add_argument("--no-mel", dest="mel", action="store_false",
+                   help="do not precompute log-mels (loaders then compute them from the FLAC)")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
+    p.add_argument("--retry-rejects", action="store_true", help="try previously rejected files again")
+    p.add_argument("--no-space-check", dest="space_check", action="store_false",
+                   help=f"skip the free-space check (OUT must have {SPACE_FACTOR:g} x the size of "
+                   "the sources still to prepare)")
+    args = p.parse_args(argv)
+    if args.workers is not None and args.workers < 1:
+        raise PrepareError(f"--workers must be >= 1, got {args.workers} (leave it out for all cores)")
+    setup_logging()
+    cfg = PrepareConfig(fps=args.fps, short_side=args.short_side, min_seconds=args.min_seconds,
+                        mel=args.mel, crf=args.crf)
+    summary = prepare(args.src, args.out, layout=args.layout, list_file=args.list_file,
+                      splits=args.splits, cfg=cfg, workers=args.workers,
+                      retry_rejects=args.retry_rejects, audio_only=args.audio_only,
+                      space_check=args.space_check)
+    print(json.dumps(summary, indent=2))
+    if not summary["kept"]:
+        reasons = "; ".join(f"{n} x {r}" for r, n in summary["rejects_by_reason"].items())
+        raise PrepareError(f"{args.src}: kept 0 of {summary['files']} files ({reasons}); see "
+                           f"{summary['rejects']}, fix the sources or the flags, and run again")
+    return 0
