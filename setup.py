@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 here = Path(__file__).parent
 setup(
@@ -13,7 +13,8 @@ setup(
     long_description=(here / "README.md").read_text() if (here / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=[p for p in ("cmacc", "kernels", "data_dali") if (here / p / "__init__.py").exists()],
+    # subpackages too (cmacc.apps, data_dali.prepare): a plain `pip install .` needs them
+    packages=find_packages(include=["cmacc", "cmacc.*", "kernels", "kernels.*", "data_dali", "data_dali.*"]),
     py_modules=["train"],
     install_requires=[
         "torch>=2.9",
