@@ -186,6 +186,37 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
         for l in ("1", "2"):
             (r,) = res["runs"][m][l]
             assert 0.0 <= r["probe"] <= 1.0 and 0 < r["steps"] <= 60 and r["acc"]
+            assert 0.0 <= r["probe_seen"] <= 1.0
+    assert set(res["untrained"]) == set(res["untrained_seen"]) == {"1", "2"}
     report = (out / "report.md").read_text()
+    assert "## Held-out drawers" in report and "## Seen drawings" in report
     assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report
     assert (out / "mi.png").stat().st_size > 0
+
+
+def test_group_batch_norm_is_batch_norm_per_part():
+    """Training mode: each quarter of the batch normalised by its own statistics (F.batch_norm
+    on that quarter alone); running statistics the mean over the quarters; eval: plain BN."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, 5, 4, generator=gen) * 2 + 1
+    bn = mi.GroupBatchNorm2d(3, groups=4)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
+    out = bn(x)
+    ref_means, ref_vars = [], []
+    for g in range(4):
+        part = x[4 * g:4 * g + 4]
+        rm, rv = torch.zeros(3), torch.ones(3)
+        ref = torch.nn.functional.batch_norm(part, rm, rv, bn.weight, bn.bias, training=True,
+                                             momentum=1.0, eps=bn.eps)
+        torch.testing.assert_close(out[4 * g:4 * g + 4], ref, rtol=1e-5, atol=1e-5)
+        ref_means.append(rm)
+        ref_vars.append(rv)
+    torch.testing.assert_close(bn.running_mean, 0.1 * torch.stack(ref_means).mean(0))
+    torch.testing.assert_close(bn.running_var, 0.9 + 0.1 * torch.stack(ref_vars).mean(0))
+    plain = torch.nn.BatchNorm2d(3)
+    plain.load_state_dict(bn.state_dict())
+    torch.testing.assert_close(bn.eval()(x), plain.eval()(x))
+    with pytest.raises(ValueError, match="multiple of the BN groups"):
+        bn.train()(x[:10])

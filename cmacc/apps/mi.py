@@ -216,15 +216,44 @@ class MultiOmniglotPairs:
 
 # -- networks and the pretext ----------------------------------------------------------------
 
-class SmallCNN(nn.Module):
-    """4 stride-2 conv-BN-ReLU layers (width w, 2w, 4w, 4w) and global average pooling."""
+class GroupBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose training statistics come from ``groups`` equal, consecutive parts of the
+    batch, as if each part were on its own device (MoCo's per-GPU BN, simulated in one
+    process); running statistics are the mean over the parts. Eval mode: plain BN."""
 
-    def __init__(self, width=32):
+    def __init__(self, channels: int, groups: int = 1):
+        super().__init__(channels)
+        self.groups = groups
+
+    def forward(self, x):
+        b = x.shape[0]
+        if not self.training or self.groups == 1:
+            return super().forward(x)
+        if b % self.groups:
+            raise ValueError(f"batch {b} is not a multiple of the BN groups {self.groups}")
+        xs = x.reshape(self.groups, b // self.groups, *x.shape[1:])  # [G, B/G, C, H, W]
+        mean = xs.mean(dim=(1, 3, 4), keepdim=True)  # [G, 1, C, 1, 1]
+        var = xs.var(dim=(1, 3, 4), unbiased=False, keepdim=True)
+        y = (xs - mean) * torch.rsqrt(var + self.eps)
+        y = y * self.weight.view(1, 1, -1, 1, 1) + self.bias.view(1, 1, -1, 1, 1)
+        with torch.no_grad():
+            n = xs[0].numel() / xs.shape[2]  # values per channel and group
+            self.running_mean.lerp_(mean.mean(0).flatten(), self.momentum)
+            self.running_var.lerp_(var.mean(0).flatten() * n / max(n - 1, 1), self.momentum)
+            self.num_batches_tracked += 1
+        return y.reshape(x.shape)
+
+
+class SmallCNN(nn.Module):
+    """4 stride-2 conv-BN-ReLU layers (width w, 2w, 4w, 4w) and global average pooling; BN
+    statistics over ``bn_groups`` parts of the batch (GroupBatchNorm2d)."""
+
+    def __init__(self, width=32, bn_groups=1):
         super().__init__()
         layers, c = [], 1
         for w in (width, 2 * width, 4 * width, 4 * width):
-            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(w),
-                       nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(c, w, 3, stride=2, padding=1, bias=False),
+                       GroupBatchNorm2d(w, bn_groups), nn.ReLU(inplace=True)]
             c = w
         self.net = nn.Sequential(*layers)
         self.out_dim = c
@@ -262,6 +291,7 @@ class MIConfig:
     fcl: bool = False  # the paper's extra FC layer with the cross-modal momentum rule (§3.2)
     fcl_dim: int = 128
     width: int = 32
+    bn_groups: int = 4  # shuffle-BN: BN statistics per quarter of the batch, keys shuffled
     max_steps: int = 6000
     window: int = 200  # pretext accuracy is averaged over windows of this many steps
     tol: float = 0.005  # plateau: a window's mean gains < tol over the previous one ...
@@ -271,9 +301,11 @@ class MIConfig:
 
     def __post_init__(self):
         for name in ("batch", "dict_mult", "pool_mult", "dim", "width", "max_steps", "window",
-                     "patience"):
+                     "patience", "bn_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch % self.bn_groups:
+            raise ValueError(f"batch {self.batch} must be a multiple of bn_groups {self.bn_groups}")
         if self.lr <= 0 or self.tau <= 0 or not 0 <= self.momentum < 1 or self.warmup < 0:
             raise ValueError("lr and tau must be > 0, momentum in [0, 1), warmup >= 0")
 
@@ -288,6 +320,20 @@ PAIRS = dict(train=PAPER_TRAIN_PAIRS, test=2000, probe=10_000)
 QUICK_PAIRS = dict(train=4000, test=500, probe=2000)
 
 
+class ShuffledKeysCMACC(CMACC):
+    """CM-ACC whose key encoders see the batch in a random order (MoCo's shuffle-BN in one
+    process): with BN statistics per group of the batch (``bn_groups``), a query and its
+    positive key are normalised with different samples, so the pretext task cannot be solved
+    by recognising the current batch's BN signature (MoCo §3.3; the paper uses shuffling BN in
+    all encoders, §4.1). ``distributed.batch_shuffle`` is the identity in one process."""
+
+    @torch.no_grad()
+    def encode_keys(self, encoder, x):
+        perm = torch.randperm(x.shape[0], device=x.device)
+        k, _ = encoder(x[perm])
+        return k[torch.argsort(perm)]
+
+
 def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
     torch.manual_seed(seed)
     objective, sampler = METHODS[method]
@@ -295,7 +341,9 @@ def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
                        dim=cfg.dim, fcl=cfg.fcl, fcl_dim=cfg.fcl_dim, momentum=cfg.momentum,
                        tau=cfg.tau, seed=seed)
     sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch)
-    model = CMACC(mcfg, sel, backbones=(SmallCNN(cfg.width), SmallCNN(cfg.width)))
+    backbones = (SmallCNN(cfg.width, cfg.bn_groups), SmallCNN(cfg.width, cfg.bn_groups))
+    cls = ShuffledKeysCMACC if cfg.bn_groups > 1 else CMACC
+    model = cls(mcfg, sel, backbones=backbones)
     return model.to(memory_format=torch.channels_last)
 
 
@@ -370,14 +418,20 @@ def features(model: CMACC, pairs: MultiOmniglotPairs, n: int | None = None, chun
     return out
 
 
-def probe_accuracy(model, train: MultiOmniglotPairs, test: MultiOmniglotPairs,
-                   n_probe: int | None = None) -> float:
-    """Mean over positions of a linear probe's test accuracy on x's character."""
-    ftr, fte = features(model, train, n_probe), features(model, test)
+def probe_accuracy(model, train: MultiOmniglotPairs, tests: dict[str, MultiOmniglotPairs],
+                   n_probe: int | None = None) -> dict[str, float]:
+    """Per test set (name → pairs): the mean over positions of a linear probe's test accuracy
+    on x's character; the probe is fit once per position on the first ``n_probe`` training
+    pairs (deterministic, so each test set sees the same probe)."""
+    ftr = features(model, train, n_probe)
     ytr = train.labels[:ftr.shape[0]]
-    accs = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i],
-                         num_classes=train.sizes[i])["top1"] for i in range(train.n_chars)]
-    return sum(accs) / len(accs)
+    out = {}
+    for name, test in tests.items():
+        fte = features(model, test)
+        accs = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i],
+                             num_classes=train.sizes[i])["top1"] for i in range(train.n_chars)]
+        out[name] = sum(accs) / len(accs)
+    return out
 
 
 # -- the study -------------------------------------------------------------------------------
@@ -398,7 +452,8 @@ def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -
     d.append(f"encoder: a 4-layer CNN of width {cfg.width} with global average pooling, no fcl "
              "(the appendix does not name the encoder for this study)")
     d.append(f"drawers 0..{TRAIN_DRAWERS - 1} for training pairs, the others for the probe's "
-             "test pairs (not stated in the appendix)")
+             "test pairs (not stated in the appendix); the probe is also scored on new pairs "
+             "of the training drawers' own drawings ('seen drawings')")
     paper = MIConfig()
     for f in dataclasses.fields(MIConfig):
         a, b = getattr(cfg, f.name), getattr(paper, f.name)
@@ -423,7 +478,8 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     results = {"chars": list(chars), "alphabets": glyphs.names[:max(chars)],
                "alphabet_sizes": glyphs.sizes[:max(chars)], "relation": relation,
                "n_train": n_train, "n_test": n_test, "n_probe": n_probe, "seeds": list(seeds),
-               "config": dataclasses.asdict(cfg), "mi": [], "untrained": {}, "runs": {},
+               "config": dataclasses.asdict(cfg), "mi": [], "untrained": {}, "untrained_seen": {},
+               "runs": {},
                "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)}
     t_start = time.perf_counter()
     for l in chars:
@@ -432,20 +488,30 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                                 drawers=range(0, TRAIN_DRAWERS))
         te = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 1, relation=relation,
                                 drawers=range(TRAIN_DRAWERS, n_drawers))
+        # new pairs of the training drawers' own drawings: what a probe measures when the test
+        # images were seen in training (how the paper's near-1.0 floor at l <= 2 can arise)
+        ts = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 2, relation=relation,
+                                drawers=range(0, TRAIN_DRAWERS))
+        tests = {"held_out": te, "seen": ts}
         results["mi"].append(tr.mutual_information)
         for seed in seeds:
             # the floor: the same encoder at initialisation
-            floor = probe_accuracy(build_model(methods[0], cfg, seed), tr, te, n_probe)
-            results["untrained"].setdefault(str(l), []).append(floor)
+            floor = probe_accuracy(build_model(methods[0], cfg, seed), tr, tests, n_probe)
+            for k, v in floor.items():
+                results["untrained" if k == "held_out" else f"untrained_{k}"].setdefault(
+                    str(l), []).append(v)
             log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
-                f"{floor:.3f}")
+                f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
             for m in methods:
                 model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
-                acc = probe_accuracy(model, tr, te, n_probe)
+                acc = probe_accuracy(model, tr, tests, n_probe)
                 results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
-                    {"seed": seed, "probe": acc, **hist})
-                log(f"l={l} seed {seed} {m}: probe {acc:.3f}  ({hist['steps']} steps, "
-                    f"{hist['stop']}, pretext acc {hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
+                    {"seed": seed, "probe": acc["held_out"], "probe_seen": acc["seen"], **hist})
+                log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "
+                    f"{acc['seen']:.3f})  ({hist['steps']} steps, {hist['stop']}, pretext acc "
+                    f"{hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
+                # each finished run is on disk at once: a stopped study keeps it
+                atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     results["seconds"] = time.perf_counter() - t_start
     atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     atomic_write_text(out / "report.md", report(results, methods))
@@ -458,16 +524,21 @@ def report(results: dict, methods) -> str:
     lines = [f"# MI study: {len(seeds)} seed(s), relation '{results['relation']}', "
              f"{results['n_train']} training pairs, {results['seconds']:.0f} s", "",
              "Linear-probe accuracy of x's characters (mean over positions), mean ± 95% "
-             "t-interval over seeds; steps = mean steps trained.", "",
-             "| l | MI (nats) | untrained | " + " | ".join(methods) + " |",
-             "|---" * (3 + len(methods)) + "|"]
-    for l, mi in zip(results["chars"], results["mi"]):
-        cells = [f"{l}", f"{mi:.2f}", _pm(results["untrained"][str(l)])]
-        for m in methods:
-            runs = results["runs"][m][str(l)]
-            steps = statistics.fmean(r["steps"] for r in runs)
-            cells.append(f"{_pm([r['probe'] for r in runs])} ({steps:.0f} steps)")
-        lines.append("| " + " | ".join(cells) + " |")
+             "t-interval over seeds; steps = mean steps trained. Two test sets of new pairs: "
+             "drawn by held-out drawers (unseen handwriting: the protocol), and drawn from the "
+             "training drawers' own drawings (seen images)."]
+    for title, key, floor in (("Held-out drawers", "probe", "untrained"),
+                              ("Seen drawings", "probe_seen", "untrained_seen")):
+        lines += ["", f"## {title}", "",
+                  "| l | MI (nats) | untrained | " + " | ".join(methods) + " |",
+                  "|---" * (3 + len(methods)) + "|"]
+        for l, mi in zip(results["chars"], results["mi"]):
+            cells = [f"{l}", f"{mi:.2f}", _pm(results[floor][str(l)])]
+            for m in methods:
+                runs = results["runs"][m][str(l)]
+                steps = statistics.fmean(r["steps"] for r in runs)
+                cells.append(f"{_pm([r[key] for r in runs])} ({steps:.0f} steps)")
+            lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
                                             zip(results["alphabets"], results["alphabet_sizes"])),
               "", "## Departures from the paper's protocol", ""]
@@ -500,20 +571,23 @@ def _plot(results, methods, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     ls = results["chars"]
-    for m in methods:
-        stats = [mean_ci([r["probe"] for r in results["runs"][m][str(l)]]) for l in ls]
-        ax.errorbar(ls, [s[0] for s in stats], yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
-                    marker="o",
-                    capsize=3, label=m)
-    floor = [mean_ci(results["untrained"][str(l)])[0] for l in ls]
-    ax.plot(ls, floor, color="grey", ls="--", marker=".", label="untrained encoder")
-    ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
-    ax.set_ylabel("linear-probe character accuracy")
-    ax.set_title(f"{len(results['seeds'])} seed(s), {results['n_train']} pairs", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, key, floor, title in ((axes[0], "probe", "untrained", "held-out drawers (protocol)"),
+                                  (axes[1], "probe_seen", "untrained_seen", "seen drawings")):
+        for m in methods:
+            stats = [mean_ci([r[key] for r in results["runs"][m][str(l)]]) for l in ls]
+            ax.errorbar(ls, [s[0] for s in stats],
+                        yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
+                        marker="o", capsize=3, label=m)
+        ax.plot(ls, [mean_ci(results[floor][str(l)])[0] for l in ls], color="grey", ls="--",
+                marker=".", label="untrained encoder")
+        ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
+        ax.set_title(f"test pairs: {title}; {len(results['seeds'])} seed(s), "
+                     f"{results['n_train']} pairs", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("linear-probe character accuracy")
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     save_figure(fig, png)
 
