@@ -1,8 +1,7 @@
 """Analyses and the mutual-information study: plots and reports are written; the diversity
 table is the seeds' window means with a 95% t-interval (recomputed here from the runs'
 metrics.csv with scipy's t law); random sampling's diversity law matches a brute-force
-enumeration; the MultiOmniglot pairs are built as specified (the paper's largest alphabets,
-other drawers, disjoint train/test hands)."""
+enumeration. (The mutual-information study's tests are in test_mi.py.)"""
 
 import csv
 import itertools
@@ -14,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from cmacc.apps import analysis, mi
+from cmacc.apps import analysis
 from cmacc.metrics import expected_unique, mean_ci, t975
 
 
@@ -88,57 +87,3 @@ def test_mean_ci_is_the_t_interval():
     assert half == pytest.approx(stats.t.ppf(0.975, 3) * np.std(v, ddof=1) / 2, rel=1e-3)
     assert math.isnan(mean_ci([0.5])[1])
 
-
-@pytest.fixture(scope="module")
-def glyphs(tmp_path_factory):
-    root = mi.make_glyphs(tmp_path_factory.mktemp("omni"), alphabets=3, chars=5, drawers=20)
-    return mi.Glyphs(root)
-
-
-@pytest.mark.parametrize("relation, shift", [("next", 1), ("same", 0)])
-def test_multiomniglot_pairs_follow_the_relation_with_other_drawers(glyphs, relation, shift):
-    pairs = mi.MultiOmniglotPairs(glyphs, 3, 20, seed=0, drawers=slice(0, 14), relation=relation)
-    assert pairs.x.shape == (20, 1, 64, 64)  # 3 characters in a 2x2 grid of 32x32 cells
-    assert pairs.mutual_information == pytest.approx(3 * math.log(5))
-    for j in range(20):
-        for i in range(3):
-            r, c = divmod(i, 2)
-            cell = lambda t: t[j, 0, r * 32:(r + 1) * 32, c * 32:(c + 1) * 32]  # noqa: E731
-            z = int(pairs.labels[j, i])
-            stack_x = glyphs.alphabets[i][z][:14]
-            stack_y = glyphs.alphabets[i][(z + shift) % 5][:14]
-            dx = [k for k in range(14) if torch.equal(stack_x[k], cell(pairs.x))]
-            dy = [k for k in range(14) if torch.equal(stack_y[k], cell(pairs.y))]
-            assert dx and dy and set(dx).isdisjoint(dy)  # that character, another person
-
-
-def test_glyphs_take_the_largest_alphabets_whole(tmp_path):
-    """The paper's alphabets are Omniglot's largest (Tifinagh 55, Hiragana 52, ...), all their
-    characters: here 3 alphabets of 2, 4 and 3 characters, the 2 largest wanted."""
-    from PIL import Image
-
-    base = tmp_path / "omniglot-py" / "images_background"
-    for name, n in (("A_small", 2), ("B_large", 4), ("C_mid", 3)):
-        for c in range(n):
-            (base / name / f"character{c:02d}").mkdir(parents=True)
-            for d in range(2):
-                Image.new("L", (8, 8), 255 - 40 * c).save(base / name / f"character{c:02d}" / f"{d}.png")
-    g = mi.Glyphs(tmp_path, max_alphabets=2)
-    assert g.names == ["B_large", "C_mid"] and [len(a) for a in g.alphabets] == [4, 3]
-
-
-def test_mi_run_writes_plot(glyphs, tmp_path):
-    res = mi.run(glyphs_root(glyphs, tmp_path), tmp_path / "mi", chars=(1, 2), steps=4, batch=8,
-                 n_train=64, n_test=32, methods=("XMoCo", "CM-ACC"))
-    assert res["chars"] == [1, 2] and len(res["CM-ACC"]) == 2
-    assert (tmp_path / "mi" / "mi.png").exists()
-    assert json.loads((tmp_path / "mi" / "mi.json").read_text())["mi"][1] > res["mi"][0]
-
-
-def glyphs_root(_, tmp_path):
-    return mi.make_glyphs(tmp_path / "g", alphabets=2, chars=4, drawers=20)
-
-
-def test_missing_omniglot_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="torchvision's layout"):
-        mi.Glyphs(tmp_path)

@@ -1,0 +1,222 @@
+"""The mutual-information study (cmacc.apps.mi): the pairs are built as the protocol says —
+checked by decoding every rendered cell of glyphs that carry their own identity (alphabet,
+character, drawer) in their pixels; the MI of each l against hand-computed values; the uint8
+glyph bank against the PNG bytes it was read from; SMoCo's per-sample translation against a
+shifted copy; the plateau rule on hand-made curves; --quick end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from cmacc.apps import mi
+
+
+def identity_glyphs(sizes, drawers=20):
+    """A Glyphs whose glyph (a, c, d) has pixels (0, 0), (0, 1), (0, 2) = a + 1, c + 1, d + 1."""
+    g = object.__new__(mi.Glyphs)
+    g.names = [f"A{a}" for a in range(len(sizes))]
+    g.bank = []
+    for a, n in enumerate(sizes):
+        b = torch.zeros(n, drawers, 32, 32, dtype=torch.uint8)
+        b[:, :, 0, 0] = a + 1
+        b[:, :, 0, 1] = torch.arange(n, dtype=torch.uint8)[:, None] + 1
+        b[:, :, 0, 2] = torch.arange(drawers, dtype=torch.uint8)[None, :] + 1
+        g.bank.append(b)
+    return g
+
+
+def decode(img, rows, cols):
+    """{(row, col): (alphabet, character, drawer)} of one rendered image [1, H, W] (uint8);
+    None for an empty cell."""
+    out = {}
+    for r in range(rows):
+        for c in range(cols):
+            cell = img[0, r * 32:(r + 1) * 32, c * 32:(c + 1) * 32]
+            a, ch, d = (int(v) for v in cell[0, :3])
+            out[r, c] = None if a == 0 else (a - 1, ch - 1, d - 1)
+    return out
+
+
+# the grid of l characters, written out by hand: (rows, cols), row-major positions
+GRIDS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (2, 2), 5: (3, 2), 6: (3, 2), 7: (3, 3), 8: (3, 3),
+         9: (3, 3)}
+
+
+@pytest.mark.parametrize("l", sorted(GRIDS))
+def test_grid_shape(l):
+    assert mi.grid_shape(l) == GRIDS[l]
+
+
+@pytest.mark.parametrize("relation, shift", [("next", 1), ("same", 0)])
+@pytest.mark.parametrize("l", [1, 3, 5])
+def test_pairs_follow_the_relation_with_another_drawer(relation, shift, l):
+    sizes = [7, 5, 4, 3, 3]
+    g = identity_glyphs(sizes)
+    pairs = mi.MultiOmniglotPairs(g, l, 200, seed=3, drawers=range(0, 14), relation=relation)
+    x, y = pairs.images(torch.arange(200))
+    rows, cols = GRIDS[l]
+    assert x.dtype == torch.uint8 and x.shape == (200, 1, 32 * rows, 32 * cols) == y.shape
+    for j in range(200):
+        dx, dy = decode(x[j], rows, cols), decode(y[j], rows, cols)
+        for i in range(rows * cols):
+            cell = divmod(i, cols)
+            if i >= l:  # cells beyond l characters stay blank
+                assert dx[cell] is None and dy[cell] is None
+                continue
+            (ax, cx, wx), (ay, cy, wy) = dx[cell], dy[cell]
+            assert ax == ay == i  # position i: alphabet i
+            assert cx == int(pairs.labels[j, i])
+            assert cy == (cx + shift) % sizes[i]  # y's character: x's next, or x's own
+            assert wx != wy and 0 <= wx < 14 and 0 <= wy < 14  # another training drawer
+
+
+def test_held_out_drawers_and_uniform_draws():
+    """Test pairs use only drawers 14..19; characters and drawers are uniform (chi-square at
+    the 0.1% level, an independent law) and y's drawer is never x's."""
+    from scipy import stats
+
+    g = identity_glyphs([6, 4])
+    n = 6000
+    te = mi.MultiOmniglotPairs(g, 2, n, seed=1, drawers=range(14, 20))
+    x, y = te.images(torch.arange(n))
+    wx = torch.stack([x[:, 0, 0, 2], x[:, 0, 32, 2]], 1).long() - 1  # [n, 2] drawers per position
+    wy = torch.stack([y[:, 0, 0, 2], y[:, 0, 32, 2]], 1).long() - 1
+    assert wx.min() >= 14 and wx.max() <= 19 and wy.min() >= 14 and wy.max() <= 19
+    assert (wx != wy).all()
+    for counts in (torch.bincount(x[:, 0, 0, 1].long() - 1, minlength=6),
+                   torch.bincount(wx[:, 0] - 14, minlength=6),
+                   torch.bincount(wy[:, 1] - 14, minlength=6)):
+        assert stats.chisquare(counts.numpy()).pvalue > 1e-3
+    # the same seed builds the same pairs; another seed others
+    again = mi.MultiOmniglotPairs(g, 2, n, seed=1, drawers=range(14, 20))
+    assert torch.equal(again.images(torch.arange(50))[0], x[:50])
+    other = mi.MultiOmniglotPairs(g, 2, n, seed=2, drawers=range(14, 20))
+    assert not torch.equal(other.labels, te.labels)
+
+
+def test_mutual_information_in_nats_per_l():
+    """I(x; y) = sum_i log l_i, against products computed by hand: the background set's
+    alphabets largest first (47, 42, 40, 26, 24, 24, 22, 17) and the paper's (55, 52, 48, ...;
+    its text: e^I = 55, 2,860 and 137,280 for l = 1, 2, 3)."""
+    ours = identity_glyphs([47, 42, 40, 26, 24, 24, 22, 17], drawers=4)
+    by_hand = {1: 47, 2: 1974, 3: 78960, 4: 2052960, 6: 1182504960, 8: 442256855040}
+    for l, product in by_hand.items():
+        pairs = mi.MultiOmniglotPairs(ours, l, 4, seed=0, drawers=range(0, 4))
+        assert pairs.mutual_information == pytest.approx(math.log(product), rel=1e-12)
+    for l, e_mi in {1: 55, 2: 2860, 3: 137280}.items():
+        assert mi.mutual_information(mi.PAPER_ALPHABET_SIZES[:l]) == pytest.approx(math.log(e_mi))
+
+
+def test_glyph_bank_is_the_png_bytes_as_uint8_ink(tmp_path):
+    """A 32x32 PNG's grey levels g come back as uint8 ink 255 - g, and as floats (255 - g)/255."""
+    base = tmp_path / "omniglot-py" / "images_background" / "Alpha"
+    gen = torch.Generator().manual_seed(0)
+    grey = {}
+    for c in range(2):
+        for d in range(3):
+            folder = base / f"character{c + 1:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            px = torch.randint(0, 256, (32, 32), generator=gen, dtype=torch.int32)
+            Image.fromarray(px.numpy().astype("uint8"), mode="L").save(folder / f"{c}_{d:02d}.png")
+            grey[c, d] = px
+    g = mi.Glyphs(tmp_path)
+    assert g.bank[0].dtype == torch.uint8 and g.bank[0].shape == (2, 3, 32, 32)
+    for (c, d), px in grey.items():
+        assert torch.equal(g.bank[0][c, d].int(), 255 - px)
+    pairs = mi.MultiOmniglotPairs(g, 1, 12, seed=0, drawers=range(0, 3))
+    x, _ = pairs.batch(torch.arange(12))
+    for j in range(12):
+        px = grey[int(pairs.labels[j, 0]), int(pairs.drawer_x[j, 0])]
+        assert torch.equal(x[j, 0], (255 - px).float() / 255)
+
+
+def test_glyphs_take_the_largest_alphabets_whole(tmp_path):
+    """The paper's alphabets are Omniglot's largest, all their characters: here 3 alphabets of
+    2, 4 and 3 characters, the 2 largest wanted, largest first."""
+    base = tmp_path / "omniglot-py" / "images_background"
+    for name, n in (("A_small", 2), ("B_large", 4), ("C_mid", 3)):
+        for c in range(n):
+            (base / name / f"character{c:02d}").mkdir(parents=True)
+            for d in range(2):
+                Image.new("L", (8, 8), 255 - 40 * c).save(base / name / f"character{c:02d}" / f"{d}.png")
+    g = mi.Glyphs(tmp_path, max_alphabets=2)
+    assert g.names == ["B_large", "C_mid"] and g.sizes == [4, 3]
+
+
+def test_missing_omniglot_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="torchvision's layout"):
+        mi.Glyphs(tmp_path)
+
+
+def test_augment_translates_each_sample_by_its_own_shift():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 1, 12, 10, generator=gen)
+    out = mi.augment(x, torch.Generator().manual_seed(1), shift=2, noise=0.0)
+    pad = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    shifts = set()
+    for j in range(64):
+        found = [(dy, dx) for dy in range(5) for dx in range(5)
+                 if torch.equal(out[j, 0], pad[j, 0, dy:dy + 12, dx:dx + 10])]
+        assert found  # a translated copy with zero fill
+        shifts.add(found[0])
+    assert len(shifts) > 10  # per sample, not one shift for the whole batch (25 possible)
+
+
+@pytest.mark.parametrize("curve, tol, patience, expect", [
+    ([0.1, 0.3, 0.5, 0.502, 0.503], 0.005, 2, 4),  # two small gains in a row: stop at window 4
+    ([0.1, 0.3, 0.301, 0.4, 0.401], 0.005, 2, None),  # the run of small gains is broken
+    ([0.1, 0.3, 0.301, 0.4, 0.401], 0.005, 1, 2),
+    ([0.5, 0.4, 0.45], 0.005, 1, 1),  # a drop counts as no gain
+])
+def test_plateau_rule(curve, tol, patience, expect):
+    assert mi.plateau_step(curve, tol, patience) == expect
+
+
+def test_quick_end_to_end_on_generated_glyphs(tmp_path):
+    out = tmp_path / "mi"
+    assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1", "2",
+                    "--out", str(out)]) == 0
+    res = json.loads((out / "mi.json").read_text())
+    assert res["chars"] == [1, 2] and res["alphabet_sizes"] == [12, 12]
+    assert res["mi"] == pytest.approx([math.log(12), 2 * math.log(12)])
+    for m in mi.METHODS:
+        for l in ("1", "2"):
+            (r,) = res["runs"][m][l]
+            assert 0.0 <= r["probe"] <= 1.0 and 0 < r["steps"] <= 60 and r["acc"]
+            assert 0.0 <= r["probe_seen"] <= 1.0
+    assert set(res["untrained"]) == set(res["untrained_seen"]) == {"1", "2"}
+    report = (out / "report.md").read_text()
+    assert "## Held-out drawers" in report and "## Seen drawings" in report
+    assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report
+    assert (out / "mi.png").stat().st_size > 0
+
+
+def test_group_batch_norm_is_batch_norm_per_part():
+    """Training mode: each quarter of the batch normalised by its own statistics (F.batch_norm
+    on that quarter alone); running statistics the mean over the quarters; eval: plain BN."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 3, 5, 4, generator=gen) * 2 + 1
+    bn = mi.GroupBatchNorm2d(3, groups=4)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
+    out = bn(x)
+    ref_means, ref_vars = [], []
+    for g in range(4):
+        part = x[4 * g:4 * g + 4]
+        rm, rv = torch.zeros(3), torch.ones(3)
+        ref = torch.nn.functional.batch_norm(part, rm, rv, bn.weight, bn.bias, training=True,
+                                             momentum=1.0, eps=bn.eps)
+        torch.testing.assert_close(out[4 * g:4 * g + 4], ref, rtol=1e-5, atol=1e-5)
+        ref_means.append(rm)
+        ref_vars.append(rv)
+    torch.testing.assert_close(bn.running_mean, 0.1 * torch.stack(ref_means).mean(0))
+    torch.testing.assert_close(bn.running_var, 0.9 + 0.1 * torch.stack(ref_vars).mean(0))
+    plain = torch.nn.BatchNorm2d(3)
+    plain.load_state_dict(bn.state_dict())
+    torch.testing.assert_close(bn.eval()(x), plain.eval()(x))
+    with pytest.raises(ValueError, match="multiple of the BN groups"):
+        bn.train()(x[:10])
