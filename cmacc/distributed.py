@@ -5,6 +5,7 @@ initialised), so the method runs unchanged in one process."""
 from __future__ import annotations
 
 import inspect
+import os
 import zlib
 
 import torch
@@ -21,6 +22,26 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if is_dist() else 0
+
+
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (``--max-restarts``): 0 on the
+    first attempt and outside torchrun."""
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    except ValueError:
+        return 0
+
+
+def init_process_group(backend: str) -> None:
+    """The default group from torchrun's environment, its store keys under this attempt's own
+    prefix. torchrun's agent keeps serving one store across worker restarts, so the workers of
+    attempt n + 1 would read attempt n's keys under the same names (gloo: the dead workers'
+    addresses, "connectFullMesh ... Connection refused") and never form a group; a prefix per
+    attempt makes each attempt's rendezvous its own."""
+    store, rank_, world = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"cmacc/attempt_{restart_count()}", store)
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world)
 
 
 def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:

@@ -183,7 +183,7 @@ class Trainer:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not du.is_dist():
             if run.device == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if run.device == "cuda" else "gloo")
+            du.init_process_group("nccl" if run.device == "cuda" else "gloo")
             created = True
         try:
             yield
@@ -264,6 +264,12 @@ class Trainer:
         """(path, state) to resume from, or None to start; sets the run id. A folder holds one
         run: starting afresh where another run's checkpoints are is refused, not overwritten."""
         resume, out = self.cfg.run.resume, self.out
+        if du.restart_count() and resume != "auto":
+            # torchrun restarted the workers of this job: its newest checkpoint is the one to go on from
+            log.info("torchrun restart %d: resuming from the newest valid checkpoint in %s "
+                     "(--resume %s applies to the first attempt only)", du.restart_count(), out,
+                     resume)
+            resume = "auto"
         try:
             info = ckpt.read_run(out)
         except ValueError as e:

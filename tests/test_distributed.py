@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from cmacc import checkpoint as ckpt
 
@@ -134,3 +135,57 @@ def test_a_failed_save_on_rank_0_stops_every_rank(tmp_path):
     assert "error: rank 0 could not write the checkpoint of step 2" in p.stderr, p.stderr[-3000:]
     assert "exitcode  : 2" in p.stderr, p.stderr[-3000:]
     assert "[rank0]" not in p.stderr and "[rank1]" not in p.stderr  # no worker traceback
+
+
+def _pid_of_local_rank(cmd_marker: str, local_rank: int) -> int | None:
+    """The pid of the torchrun worker with LOCAL_RANK=local_rank whose command line holds
+    ``cmd_marker`` (read from /proc)."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if cmd_marker not in (d / "cmdline").read_bytes().decode(errors="replace"):
+                continue
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find a rank")
+def test_a_killed_rank_is_restarted_and_the_run_finishes_as_if_uninterrupted(tmp_path):
+    """torchrun --max-restarts 1; rank 1 SIGKILLed after the first checkpoint: the new group
+    forms, resumes from the newest valid checkpoint and ends at the requested step; metrics.csv
+    has each logged step once; the final weights equal an uninterrupted run from that same
+    checkpoint."""
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    args = ["train.py", "--preset", "tiny", "--steps", "30", "--ckpt-every", "10",
+            "--log-every", "5", "--sampler", "active", "--out"]
+    elastic = TORCHRUN[:-1] + ["--nproc_per_node=2", "--max-restarts", "1"]
+    p = subprocess.Popen(elastic + args + [str(out)], cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (out / "ckpt_00000010.pt").exists():
+        time.sleep(0.2)
+    victim = _pid_of_local_rank(str(out), 1)
+    assert victim is not None, "rank 1 not found"
+    os.kill(victim, signal.SIGKILL)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    resumed = [line for line in err.splitlines() if "resumed run" in line]
+    assert len(resumed) == 1, err[-3000:]  # the restarted attempt, and only it, resumed
+    start = Path(resumed[0].split(" from ")[1].split(" at step")[0])
+    final = ckpt.load(out / "ckpt_00000030.pt")
+    assert final["step"] == 30
+    with open(out / "metrics.csv", newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [5, 10, 15, 20, 25, 30]
+    # the same run, uninterrupted from the checkpoint the restart resumed from
+    ref.mkdir()
+    for name in (start.name, "run.json"):
+        (ref / name).write_bytes((out / name).read_bytes())
+    _run(TORCHRUN + args + [str(ref)])
+    want = ckpt.load(ref / "ckpt_00000030.pt")
+    torch.testing.assert_close(final["model"], want["model"], rtol=0, atol=0)
+    torch.testing.assert_close(final["optimizer"], want["optimizer"], rtol=0, atol=0)
