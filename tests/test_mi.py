@@ -180,7 +180,7 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1", "2",
                     "--out", str(out)]) == 0
     res = json.loads((out / "mi.json").read_text())
-    assert res["chars"] == [1, 2] and res["alphabet_sizes"] == [12, 12]
+    assert res["chars"] == [1, 2] and res["alphabet_sizes"] == [12, 12] and res["complete"]
     assert res["mi"] == pytest.approx([math.log(12), 2 * math.log(12)])
     for m in mi.METHODS:
         for l in ("1", "2"):
@@ -220,3 +220,17 @@ def test_group_batch_norm_is_batch_norm_per_part():
     torch.testing.assert_close(bn.eval()(x), plain.eval()(x))
     with pytest.raises(ValueError, match="multiple of the BN groups"):
         bn.train()(x[:10])
+    # gradients (float64, autograd through per-part F.batch_norm as the reference)
+    bn64 = mi.GroupBatchNorm2d(3, groups=4).double().train()
+    xg = x.double().requires_grad_()
+    w = torch.randn(16, 3, 5, 4, generator=gen, dtype=torch.float64)
+    (bn64(xg) * w).sum().backward()
+    xr = x.double().requires_grad_()
+    weight = bn64.weight.detach().clone().requires_grad_()
+    bias = bn64.bias.detach().clone().requires_grad_()
+    ref = torch.cat([torch.nn.functional.batch_norm(xr[4 * g:4 * g + 4], None, None, weight, bias,
+                                                    training=True, eps=bn64.eps) for g in range(4)])
+    (ref * w).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    torch.testing.assert_close(bn64.weight.grad, weight.grad)
+    torch.testing.assert_close(bn64.bias.grad, bias.grad)

@@ -19,7 +19,10 @@ paper's optimiser and sizes (Adam 1e-3 after a 500-step warm-up, M = 128, K = 30
 m = 0.999, tau = 0.7) until the pretext accuracy plateaus (``--window``/``--tol``/``--patience``)
 or ``--max-steps``; a linear probe of the character at every position reads the frozen
 x-encoder's backbone features (mean accuracy over positions), beside the untrained floor.
-``report.md`` lists every departure from the paper's protocol. docs/FIDELITY.md §4 has what
+``report.md`` lists every departure from the paper's protocol. The probe is scored on two
+test sets: pairs drawn by held-out drawers (unseen handwriting, the protocol) and new pairs of
+the training drawers' own drawings (seen images). ``mi.json`` is rewritten after every run
+(``"complete": false`` until the last one is in), so a stopped study keeps what finished. docs/FIDELITY.md §4 has what
 this shows.
 
     python -m cmacc.apps.mi --omniglot ROOT --out runs/mi [--chars 1 2 3 4 6 8] [--seeds 0 1 2]
@@ -220,11 +223,18 @@ class MultiOmniglotPairs:
 class GroupBatchNorm2d(nn.BatchNorm2d):
     """BatchNorm whose training statistics come from ``groups`` equal, consecutive parts of the
     batch, as if each part were on its own device (MoCo's per-GPU BN, simulated in one
-    process); running statistics are the mean over the parts. Eval mode: plain BN."""
+    process); running statistics are the mean over the parts. Eval mode: plain BN.
+
+    One native batch-norm call: the parts are laid side by side as channels
+    ([G, B/G, C, H, W] → [B/G, G*C, H, W]), each part keeps its own running statistics
+    (``group_mean``/``group_var`` [G*C]), and ``running_mean``/``running_var`` are their mean
+    over the parts (the same value: the update is linear in them)."""
 
     def __init__(self, channels: int, groups: int = 1):
         super().__init__(channels)
         self.groups = groups
+        self.register_buffer("group_mean", torch.zeros(groups * channels), persistent=False)
+        self.register_buffer("group_var", torch.ones(groups * channels), persistent=False)
 
     def forward(self, x):
         b = x.shape[0]
@@ -232,17 +242,19 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
             return super().forward(x)
         if b % self.groups:
             raise ValueError(f"batch {b} is not a multiple of the BN groups {self.groups}")
-        xs = x.reshape(self.groups, b // self.groups, *x.shape[1:])  # [G, B/G, C, H, W]
-        mean = xs.mean(dim=(1, 3, 4), keepdim=True)  # [G, 1, C, 1, 1]
-        var = xs.var(dim=(1, 3, 4), unbiased=False, keepdim=True)
-        y = (xs - mean) * torch.rsqrt(var + self.eps)
-        y = y * self.weight.view(1, 1, -1, 1, 1) + self.bias.view(1, 1, -1, 1, 1)
+        g, c = self.groups, x.shape[1]
+        with torch.no_grad():  # every part starts from the shared running statistics
+            self.group_mean.copy_(self.running_mean.repeat(g))
+            self.group_var.copy_(self.running_var.repeat(g))
+        side = x.reshape(g, b // g, *x.shape[1:]).transpose(0, 1).reshape(b // g, g * c,
+                                                                           *x.shape[2:])
+        y = F.batch_norm(side, self.group_mean, self.group_var, self.weight.repeat(g),
+                         self.bias.repeat(g), training=True, momentum=self.momentum, eps=self.eps)
         with torch.no_grad():
-            n = xs[0].numel() / xs.shape[2]  # values per channel and group
-            self.running_mean.lerp_(mean.mean(0).flatten(), self.momentum)
-            self.running_var.lerp_(var.mean(0).flatten() * n / max(n - 1, 1), self.momentum)
+            self.running_mean.copy_(self.group_mean.view(g, c).mean(0))
+            self.running_var.copy_(self.group_var.view(g, c).mean(0))
             self.num_batches_tracked += 1
-        return y.reshape(x.shape)
+        return y.reshape(b // g, g, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 class SmallCNN(nn.Module):
@@ -480,7 +492,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                "alphabet_sizes": glyphs.sizes[:max(chars)], "relation": relation,
                "n_train": n_train, "n_test": n_test, "n_probe": n_probe, "seeds": list(seeds),
                "config": dataclasses.asdict(cfg), "mi": [], "untrained": {}, "untrained_seen": {},
-               "runs": {},
+               "runs": {}, "complete": False,  # True once every run is in
                "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)}
     t_start = time.perf_counter()
     for l in chars:
@@ -514,6 +526,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                 # each finished run is on disk at once: a stopped study keeps it
                 atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     results["seconds"] = time.perf_counter() - t_start
+    results["complete"] = True
     atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
     atomic_write_text(out / "report.md", report(results, methods))
     _plot(results, methods, out / "mi.png")
