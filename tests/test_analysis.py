@@ -87,3 +87,19 @@ def test_mean_ci_is_the_t_interval():
     assert half == pytest.approx(stats.t.ppf(0.975, 3) * np.std(v, ddof=1) / 2, rel=1e-3)
     assert math.isnan(mean_ci([0.5])[1])
 
+
+
+def test_the_demo_diversity_figure_is_the_mean_of_the_second_half(tmp_path):
+    """demo.second_half_unique: the mean unique/M of the rows logged after steps / 2 (a
+    hand-built metrics.csv; a missing value is skipped; no row there is an error)."""
+    from cmacc.apps import demo
+
+    rows = ["step,unique_per_m,coverage"] + [f"{s},{v},0" for s, v in
+                                              [(10, 0.1), (20, 0.2), (30, 0.9), (40, 0.5), (50, "nan"),
+                                               (60, 0.7)]]
+    path = tmp_path / "metrics.csv"
+    path.write_text("\n".join(rows) + "\n")
+    assert demo.second_half_unique(path, 60) == pytest.approx((0.5 + 0.7) / 2)  # steps 40, 60
+    assert demo.second_half_unique(path, 40) == pytest.approx((0.9 + 0.5 + 0.7) / 3)
+    with pytest.raises(ValueError, match="second half"):
+        demo.second_half_unique(path, 200)
