@@ -188,6 +188,8 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
             assert 0.0 <= r["probe"] <= 1.0 and 0 < r["steps"] <= 60 and r["acc"]
             assert 0.0 <= r["probe_seen"] <= 1.0
     assert set(res["untrained"]) == set(res["untrained_seen"]) == {"1", "2"}
+    assert set(res["pixels"]) == set(res["pixels_seen"]) == {"1", "2"}
+    assert all(0.0 <= v <= 1.0 for v in [*res["pixels"].values(), *res["pixels_seen"].values()])
     report = (out / "report.md").read_text()
     assert "## Held-out drawers" in report and "## Seen drawings" in report
     assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report

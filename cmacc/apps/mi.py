@@ -431,16 +431,29 @@ def features(model: CMACC, pairs: MultiOmniglotPairs, n: int | None = None, chun
     return out
 
 
+@torch.no_grad()
+def pixel_features(pairs: MultiOmniglotPairs, n: int | None = None, chunk=1000):
+    """x's pixels, 2x2-average-pooled (16x16 per character cell), flattened: the probe's
+    floor without any encoder."""
+    n = len(pairs) if n is None else min(n, len(pairs))
+    return torch.cat([F.avg_pool2d(pairs.batch(torch.arange(s, min(s + chunk, n)))[0], 2)
+                      .flatten(1) for s in range(0, n, chunk)])
+
+
 def probe_accuracy(model, train: MultiOmniglotPairs, tests: dict[str, MultiOmniglotPairs],
                    n_probe: int | None = None) -> dict[str, float]:
     """Per test set (name → pairs): the mean over positions of a linear probe's test accuracy
     on x's character; the probe is fit once per position on the first ``n_probe`` training
-    pairs (deterministic, so each test set sees the same probe)."""
-    ftr = features(model, train, n_probe)
+    pairs (deterministic, so each test set sees the same probe). ``model`` None: the probe
+    reads raw pixels (``pixel_features``)."""
+    def feats(pairs, n=None):
+        return pixel_features(pairs, n) if model is None else features(model, pairs, n)
+
+    ftr = feats(train, n_probe)
     ytr = train.labels[:ftr.shape[0]]
     out = {}
     for name, test in tests.items():
-        fte = features(model, test)
+        fte = feats(test)
         accs = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i],
                              num_classes=train.sizes[i])["top1"] for i in range(train.n_chars)]
         out[name] = sum(accs) / len(accs)
@@ -492,6 +505,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                "alphabet_sizes": glyphs.sizes[:max(chars)], "relation": relation,
                "n_train": n_train, "n_test": n_test, "n_probe": n_probe, "seeds": list(seeds),
                "config": dataclasses.asdict(cfg), "mi": [], "untrained": {}, "untrained_seen": {},
+               "pixels": {}, "pixels_seen": {},
                "runs": {}, "complete": False,  # True once every run is in
                "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)}
     t_start = time.perf_counter()
@@ -509,6 +523,11 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         results["mi"].append(tr.mutual_information)
         for seed in seeds:
             # the floor: the same encoder at initialisation
+            if seed == seeds[0]:  # the pixel floor has no seed
+                for k, v in probe_accuracy(None, tr, tests, n_probe).items():
+                    results["pixels" if k == "held_out" else f"pixels_{k}"][str(l)] = v
+                log(f"l={l} pixels: probe {results['pixels'][str(l)]:.3f} (seen drawings "
+                    f"{results['pixels_seen'][str(l)]:.3f})")
             floor = probe_accuracy(build_model(methods[0], cfg, seed), tr, tests, n_probe)
             for k, v in floor.items():
                 results["untrained" if k == "held_out" else f"untrained_{k}"].setdefault(
@@ -538,16 +557,19 @@ def report(results: dict, methods) -> str:
     lines = [f"# MI study: {len(seeds)} seed(s), relation '{results['relation']}', "
              f"{results['n_train']} training pairs, {results['seconds']:.0f} s", "",
              "Linear-probe accuracy of x's characters (mean over positions), mean ± 95% "
-             "t-interval over seeds; steps = mean steps trained. Two test sets of new pairs: "
+             "t-interval over seeds; steps = mean steps trained; pixels = the probe on x's "
+             "2x2-pooled pixels (no encoder). Two test sets of new pairs: "
              "drawn by held-out drawers (unseen handwriting: the protocol), and drawn from the "
              "training drawers' own drawings (seen images)."]
     for title, key, floor in (("Held-out drawers", "probe", "untrained"),
                               ("Seen drawings", "probe_seen", "untrained_seen")):
+        pix = "pixels" + floor[len("untrained"):]
         lines += ["", f"## {title}", "",
-                  "| l | MI (nats) | untrained | " + " | ".join(methods) + " |",
-                  "|---" * (3 + len(methods)) + "|"]
+                  "| l | MI (nats) | pixels | untrained | " + " | ".join(methods) + " |",
+                  "|---" * (4 + len(methods)) + "|"]
         for l, mi in zip(results["chars"], results["mi"]):
-            cells = [f"{l}", f"{mi:.2f}", _pm(results[floor][str(l)])]
+            cells = [f"{l}", f"{mi:.2f}", f"{results[pix][str(l)]:.3f}",
+                     _pm(results[floor][str(l)])]
             for m in methods:
                 runs = results["runs"][m][str(l)]
                 steps = statistics.fmean(r["steps"] for r in runs)
