@@ -28,7 +28,7 @@ import torch
 
 from cmacc.metrics import expected_unique
 from cmacc.model import CMACC
-from cmacc.runlog import plot_metrics
+from cmacc.runlog import plot_metrics, read_csv
 from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
 from data_dali.synthetic import class_counts
 
@@ -56,11 +56,8 @@ def prepare_demo_data(out: Path) -> str:
 def second_half_unique(metrics_csv, steps: int) -> float:
     """Mean unique/M of the negatives over the logged rows of the second half of training
     (step > steps / 2): the demo's diversity figure (a last row alone is one noisy sample)."""
-    import csv
-
-    with open(metrics_csv, newline="") as f:
-        vals = [float(r["unique_per_m"]) for r in csv.DictReader(f)
-                if int(r["step"]) > steps / 2 and r["unique_per_m"] not in ("", "nan")]
+    vals = [float(r["unique_per_m"]) for r in read_csv(metrics_csv)
+            if int(r["step"]) > steps / 2 and r["unique_per_m"] not in ("", "nan")]
     if not vals:
         raise ValueError(f"{metrics_csv}: no unique_per_m rows in the second half of training")
     return sum(vals) / len(vals)

@@ -226,15 +226,13 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
     process); running statistics are the mean over the parts. Eval mode: plain BN.
 
     One native batch-norm call: the parts are laid side by side as channels
-    ([G, B/G, C, H, W] → [B/G, G*C, H, W]), each part keeps its own running statistics
-    (``group_mean``/``group_var`` [G*C]), and ``running_mean``/``running_var`` are their mean
-    over the parts (the same value: the update is linear in them)."""
+    ([G, B/G, C, H, W] → [B/G, G*C, H, W]), each starting from the shared running statistics;
+    ``running_mean``/``running_var`` become the mean of the parts' updated ones (the same
+    value as updating with the parts' mean: the update is linear)."""
 
     def __init__(self, channels: int, groups: int = 1):
         super().__init__(channels)
         self.groups = groups
-        self.register_buffer("group_mean", torch.zeros(groups * channels), persistent=False)
-        self.register_buffer("group_var", torch.ones(groups * channels), persistent=False)
 
     def forward(self, x):
         b = x.shape[0]
@@ -243,16 +241,14 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         if b % self.groups:
             raise ValueError(f"batch {b} is not a multiple of the BN groups {self.groups}")
         g, c = self.groups, x.shape[1]
-        with torch.no_grad():  # every part starts from the shared running statistics
-            self.group_mean.copy_(self.running_mean.repeat(g))
-            self.group_var.copy_(self.running_var.repeat(g))
+        mean, var = self.running_mean.repeat(g), self.running_var.repeat(g)  # [G*C], updated
         side = x.reshape(g, b // g, *x.shape[1:]).transpose(0, 1).reshape(b // g, g * c,
                                                                            *x.shape[2:])
-        y = F.batch_norm(side, self.group_mean, self.group_var, self.weight.repeat(g),
-                         self.bias.repeat(g), training=True, momentum=self.momentum, eps=self.eps)
+        y = F.batch_norm(side, mean, var, self.weight.repeat(g), self.bias.repeat(g),
+                         training=True, momentum=self.momentum, eps=self.eps)
         with torch.no_grad():
-            self.running_mean.copy_(self.group_mean.view(g, c).mean(0))
-            self.running_var.copy_(self.group_var.view(g, c).mean(0))
+            self.running_mean.copy_(mean.view(g, c).mean(0))
+            self.running_var.copy_(var.view(g, c).mean(0))
             self.num_batches_tracked += 1
         return y.reshape(b // g, g, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
@@ -493,6 +489,12 @@ def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -
     return d
 
 
+def _floor_key(floor: str, test: str) -> str:
+    """mi.json's key of figures on a test set: "untrained" / "untrained_seen", "probe" /
+    "probe_seen" (a run's), "pixels" / "pixels_seen"."""
+    return floor if test == "held_out" else f"{floor}_{test}"
+
+
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         n_train=PAPER_TRAIN_PAIRS, n_test=2000, n_probe=10_000, seeds=(0,),
         methods=tuple(METHODS), relation="next", log=print, verbose=False) -> dict:
@@ -521,24 +523,22 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                                 drawers=range(0, TRAIN_DRAWERS))
         tests = {"held_out": te, "seen": ts}
         results["mi"].append(tr.mutual_information)
+        pixels = probe_accuracy(None, tr, tests, n_probe)  # the floor without an encoder
+        for k, v in pixels.items():
+            results[_floor_key("pixels", k)][str(l)] = v
+        log(f"l={l} pixels: probe {pixels['held_out']:.3f} (seen drawings {pixels['seen']:.3f})")
         for seed in seeds:
             # the floor: the same encoder at initialisation
-            if seed == seeds[0]:  # the pixel floor has no seed
-                for k, v in probe_accuracy(None, tr, tests, n_probe).items():
-                    results["pixels" if k == "held_out" else f"pixels_{k}"][str(l)] = v
-                log(f"l={l} pixels: probe {results['pixels'][str(l)]:.3f} (seen drawings "
-                    f"{results['pixels_seen'][str(l)]:.3f})")
             floor = probe_accuracy(build_model(methods[0], cfg, seed), tr, tests, n_probe)
             for k, v in floor.items():
-                results["untrained" if k == "held_out" else f"untrained_{k}"].setdefault(
-                    str(l), []).append(v)
+                results[_floor_key("untrained", k)].setdefault(str(l), []).append(v)
             log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
                 f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
             for m in methods:
                 model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
                 acc = probe_accuracy(model, tr, tests, n_probe)
                 results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
-                    {"seed": seed, "probe": acc["held_out"], "probe_seen": acc["seen"], **hist})
+                    {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
                 log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "
                     f"{acc['seen']:.3f})  ({hist['steps']} steps, {hist['stop']}, pretext acc "
                     f"{hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
@@ -561,9 +561,8 @@ def report(results: dict, methods) -> str:
              "2x2-pooled pixels (no encoder). Two test sets of new pairs: "
              "drawn by held-out drawers (unseen handwriting: the protocol), and drawn from the "
              "training drawers' own drawings (seen images)."]
-    for title, key, floor in (("Held-out drawers", "probe", "untrained"),
-                              ("Seen drawings", "probe_seen", "untrained_seen")):
-        pix = "pixels" + floor[len("untrained"):]
+    for title, test in (("Held-out drawers", "held_out"), ("Seen drawings", "seen")):
+        key, floor, pix = (_floor_key(f, test) for f in ("probe", "untrained", "pixels"))
         lines += ["", f"## {title}", "",
                   "| l | MI (nats) | pixels | untrained | " + " | ".join(methods) + " |",
                   "|---" * (4 + len(methods)) + "|"]
@@ -609,8 +608,9 @@ def _plot(results, methods, png):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     ls = results["chars"]
-    for ax, key, floor, title in ((axes[0], "probe", "untrained", "held-out drawers (protocol)"),
-                                  (axes[1], "probe_seen", "untrained_seen", "seen drawings")):
+    for ax, test, title in ((axes[0], "held_out", "held-out drawers (protocol)"),
+                            (axes[1], "seen", "seen drawings")):
+        key, floor = _floor_key("probe", test), _floor_key("untrained", test)
         for m in methods:
             stats = [mean_ci([r[key] for r in results["runs"][m][str(l)]]) for l in ls]
             ax.errorbar(ls, [s[0] for s in stats],
