@@ -26,6 +26,7 @@ setup(
         "soundfile>=0.12",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        "threadpoolctl>=3",  # kernels.reference: one BLAS thread for small k-means++ pools
     ],
     extras_require={
         "dali": ["nvidia-dali-cuda130>=2.4"],

@@ -175,37 +175,128 @@ def test_plateau_rule(curve, tol, patience, expect):
     assert mi.plateau_step(curve, tol, patience) == expect
 
 
+QUICK_ARGS = ["--quick", "--chars", "1", "3", "--seeds", "0", "--sampler-chars", "3"]
+
+
+def test_training_stops_on_a_loss_plateau_after_min_steps():
+    """The stop rule on window-mean losses (window 100): a flat start before min_steps is not a
+    plateau; after it, patience windows that each fall < tol nats are."""
+    cfg = mi.MIConfig(window=100, warmup=100, min_steps=300, tol=0.01, patience=2)
+    flat_start = [8.24, 8.24, 8.24]  # windows ending at 100, 200, 300: all before min_steps
+    assert not mi.loss_plateaued(flat_start, cfg)
+    falling = flat_start + [8.0, 7.5, 7.0]
+    assert not mi.loss_plateaued(falling, cfg)
+    assert not mi.loss_plateaued(falling + [6.995], cfg)  # one small fall: patience 2
+    assert mi.loss_plateaued(falling + [6.995, 6.99], cfg)
+    assert mi.loss_plateaued(falling + [6.995, 7.2], cfg)  # a rise is no fall
+    # the same losses counted from step 0 would have stopped in the flat start
+    assert mi.loss_plateaued(flat_start, mi.MIConfig(window=100, warmup=0, min_steps=0,
+                                                     tol=0.01, patience=2))
+
+
 def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     out = tmp_path / "mi"
-    assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1", "2",
-                    "--out", str(out)]) == 0
+    assert mi.main(["--make-glyphs", str(tmp_path / "g"), *QUICK_ARGS, "--out", str(out)]) == 0
     res = json.loads((out / "mi.json").read_text())
-    assert res["chars"] == [1, 2] and res["alphabet_sizes"] == [12, 12] and res["complete"]
-    assert res["mi"] == pytest.approx([math.log(12), 2 * math.log(12)])
+    assert res["chars"] == [1, 3] and res["alphabet_sizes"] == [12, 12, 12] and res["complete"]
+    assert res["mi"] == pytest.approx({"1": math.log(12), "3": 3 * math.log(12)})
     for m in mi.METHODS:
-        for l in ("1", "2"):
+        for l in ("1", "3"):
             (r,) = res["runs"][m][l]
             assert 0.0 <= r["probe"] <= 1.0 and 0 < r["steps"] <= 60 and r["acc"]
             assert 0.0 <= r["probe_seen"] <= 1.0
-    assert set(res["untrained"]) == set(res["untrained_seen"]) == {"1", "2"}
-    assert set(res["pixels"]) == set(res["pixels_seen"]) == {"1", "2"}
+    # the samplers the paper compares ran at --sampler-chars only
+    for m in mi.SAMPLERS:
+        assert set(res["runs"][m]) == {"3"}
+    assert set(res["untrained"]) == set(res["untrained_seen"]) == {"1", "3"}
+    assert set(res["untrained"]["1"]) == {"0"}  # per seed
+    assert set(res["pixels"]) == set(res["pixels_seen"]) == {"1", "3"}
     assert all(0.0 <= v <= 1.0 for v in [*res["pixels"].values(), *res["pixels_seen"].values()])
     report = (out / "report.md").read_text()
     assert "## Held-out drawers" in report and "## Seen drawings" in report
+    assert "## Samplers of the cross-modal objective" in report and "OHEM (ohem)" in report
     assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report
-    assert (out / "mi.png").stat().st_size > 0
+    assert "partial" not in report
+    assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
 
 
-def test_group_batch_norm_is_batch_norm_per_part():
+def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
+    """A study keeps its finished runs: run again with more seeds, only the new seed trains
+    (the first seed's figures are the file's, untouched); another setting is one clear error;
+    --report-only renders a partial mi.json, saying it is partial."""
+    glyphs, out = str(tmp_path / "g"), tmp_path / "mi"
+    base = ["--make-glyphs", glyphs, "--quick", "--chars", "1", "--samplers", "--out", str(out)]
+    assert mi.main([*base, "--seeds", "0"]) == 0
+    first = json.loads((out / "mi.json").read_text())
+    trained = []
+    real_train = mi.train_one
+
+    def counting(method, train, cfg, seed, **kw):
+        trained.append((method, seed))
+        return real_train(method, train, cfg, seed, **kw)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mi.study, "train_one", counting)  # the name study.run calls
+    try:
+        assert mi.main([*base, "--seeds", "0", "1"]) == 0
+    finally:
+        mp.undo()
+    assert sorted(trained) == sorted((m, 1) for m in mi.METHODS)
+    both = json.loads((out / "mi.json").read_text())
+    for m in mi.METHODS:
+        runs = both["runs"][m]["1"]
+        assert [r["seed"] for r in runs] == [0, 1]
+        assert runs[0] == first["runs"][m]["1"][0]
+    assert both["untrained"]["1"]["0"] == first["untrained"]["1"]["0"]
+    assert both["seconds"] > first["seconds"]
+    with pytest.raises(SystemExit) as e:  # another setting: the command's one-line error
+        mi.main([*base, "--seeds", "0", "--tau", "0.2"])
+    assert e.value.code == 2
+    # a partial study: drop the second seed's CM-ACC run and report
+    del both["runs"]["CM-ACC"]["1"][1]
+    both["complete"] = False
+    (out / "mi.json").write_text(json.dumps(both))
+    for f in ("report.md", "mi.png", "mi_curves.png"):
+        (out / f).unlink()
+    assert mi.main(["--report-only", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "partial: 5 runs in" in report
+    assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        mi.main(["--report-only", "--out", str(tmp_path / "nothing")])
+
+
+def test_plan_runs_whole_curves_seed_by_seed():
+    runs = mi.plan([1, 4, 8], [0, 1], ["SMoCo", "CM-ACC"], [4], ["OHEM"])
+    curve = [(1, "SMoCo"), (1, "CM-ACC"), (4, "SMoCo"), (4, "CM-ACC"), (8, "SMoCo"),
+             (8, "CM-ACC")]
+    assert runs == [(seed, l, m) for seed in (0, 1) for l, m in curve] + [(0, 4, "OHEM"),
+                                                                           (1, 4, "OHEM")]
+    assert mi.default_sampler_chars([1, 2, 3, 4, 6, 8]) == [6, 8]
+    assert mi.default_sampler_chars([1, 2]) == []
+
+
+def test_paired_difference_is_per_seed():
+    res = {"runs": {"A": {"3": [{"seed": 0, "probe": 0.5}, {"seed": 2, "probe": 0.7},
+                                {"seed": 1, "probe": 0.4}]},
+                    "B": {"3": [{"seed": 1, "probe": 0.1}, {"seed": 0, "probe": 0.45}]}}}
+    # seed 2 has no B run: left out; seeds 0, 1 paired whatever the order in the file
+    assert mi.paired_difference(res, "A", "B", 3, "probe") == pytest.approx([0.05, 0.3])
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_group_batch_norm_is_batch_norm_per_part(fmt):
     """Training mode: each quarter of the batch normalised by its own statistics (F.batch_norm
-    on that quarter alone); running statistics the mean over the quarters; eval: plain BN."""
+    on that quarter alone); running statistics the mean over the quarters; eval: plain BN; the
+    input's memory format kept (the study's networks run channels-last)."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(16, 3, 5, 4, generator=gen) * 2 + 1
+    x = (torch.randn(16, 3, 5, 4, generator=gen) * 2 + 1).contiguous(memory_format=fmt)
     bn = mi.GroupBatchNorm2d(3, groups=4)
     with torch.no_grad():
         bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
         bn.bias.copy_(torch.tensor([0.0, -1.0, 3.0]))
     out = bn(x)
+    assert out.is_contiguous(memory_format=fmt)
     ref_means, ref_vars = [], []
     for g in range(4):
         part = x[4 * g:4 * g + 4]
@@ -224,7 +315,7 @@ def test_group_batch_norm_is_batch_norm_per_part():
         bn.train()(x[:10])
     # gradients (float64, autograd through per-part F.batch_norm as the reference)
     bn64 = mi.GroupBatchNorm2d(3, groups=4).double().train()
-    xg = x.double().requires_grad_()
+    xg = x.double().contiguous(memory_format=fmt).requires_grad_()
     w = torch.randn(16, 3, 5, 4, generator=gen, dtype=torch.float64)
     (bn64(xg) * w).sum().backward()
     xr = x.double().requires_grad_()

@@ -443,3 +443,38 @@ def test_numpy_and_torch_backends_draw_the_same(monkeypatch):
     on_torch = draws()
     for a, b in zip(on_numpy, on_torch):
         assert a.dtype == b.dtype == torch.long and torch.equal(a, b)
+
+
+def test_small_pools_run_their_steps_on_one_blas_thread_with_the_same_picks(monkeypatch):
+    """A small pool's numpy k-means++ steps run with one BLAS thread (the pool's factors are
+    under kernels.reference._BLAS_ONE_THREAD_BELOW floats), a large one's with the process's
+    setting; the thread count changes no pick."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    blas = threadpoolctl.ThreadpoolController().select(user_api="blas")
+    if not blas.lib_controllers:
+        pytest.skip("numpy has no BLAS that threadpoolctl can control here")
+    seen = []
+    loop = ref._kmeanspp_loop
+
+    def recording(*args, **kw):
+        seen.append(max(c.num_threads for c in
+                        threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers))
+        return loop(*args, **kw)
+
+    monkeypatch.setattr(ref, "_kmeanspp_loop", recording)
+    keys, feats, w = _inputs(1500, 16, 32, 64, seed=3, dtype=torch.float32)
+    queries = feats @ w.t()
+
+    def draws():
+        return [ref.select(keys, queries, feats, 40, seed=s, view=v)
+                for s in range(2) for v in ("head", "queries")]
+
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        small = draws()  # 1500 x (32 + 16) floats a step: below the threshold
+        assert seen == [1] * 4
+        seen.clear()
+        monkeypatch.setattr(ref, "_BLAS_ONE_THREAD_BELOW", 1)  # every pool is "large" now
+        large = draws()
+        assert seen == [2] * 4
+    for a, b in zip(small, large):
+        assert torch.equal(a, b)

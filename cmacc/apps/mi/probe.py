@@ -1,0 +1,52 @@
+"""The linear probe of x's characters: frozen backbone features (or raw pixels), one
+multinomial logistic regression per position."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cmacc.model import CMACC
+from cmacc.probe import linear_probe
+
+from .data import MultiOmniglotPairs
+
+
+@torch.no_grad()
+def features(model: CMACC, pairs: MultiOmniglotPairs, n: int | None = None, chunk=512):
+    """The frozen x-encoder's backbone features (pre-head, eval mode) of the first n pairs."""
+    bb = model.f_v.backbone.eval()
+    n = len(pairs) if n is None else min(n, len(pairs))
+    out = torch.cat([bb(pairs.batch(torch.arange(s, min(s + chunk, n)))[0])
+                     for s in range(0, n, chunk)])
+    model.f_v.backbone.train()
+    return out
+
+
+@torch.no_grad()
+def pixel_features(pairs: MultiOmniglotPairs, n: int | None = None, chunk=1000):
+    """x's pixels, 2x2-average-pooled (16x16 per character cell), flattened: the probe's
+    floor without any encoder."""
+    n = len(pairs) if n is None else min(n, len(pairs))
+    return torch.cat([F.avg_pool2d(pairs.batch(torch.arange(s, min(s + chunk, n)))[0], 2)
+                      .flatten(1) for s in range(0, n, chunk)])
+
+
+def probe_accuracy(model, train: MultiOmniglotPairs, tests: dict[str, MultiOmniglotPairs],
+                   n_probe: int | None = None) -> dict[str, float]:
+    """Per test set (name → pairs): the mean over positions of a linear probe's test accuracy
+    on x's character; the probe is fit once per position on the first ``n_probe`` training
+    pairs (deterministic, so each test set sees the same probe). ``model`` None: the probe
+    reads raw pixels (``pixel_features``)."""
+    def feats(pairs, n=None):
+        return pixel_features(pairs, n) if model is None else features(model, pairs, n)
+
+    ftr = feats(train, n_probe)
+    ytr = train.labels[:ftr.shape[0]]
+    out = {}
+    for name, test in tests.items():
+        fte = feats(test)
+        accs = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i],
+                             num_classes=train.sizes[i])["top1"] for i in range(train.n_chars)]
+        out[name] = sum(accs) / len(accs)
+    return out

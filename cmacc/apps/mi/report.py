@@ -1,0 +1,230 @@
+"""report.md and the plots of a study's figures (mi.json), complete or not."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from cmacc.metrics import mean_ci
+from cmacc.runlog import save_figure
+from data_dali.fileio import atomic_write_text
+
+from .train import ALL_METHODS, METHODS
+
+def _floor_key(floor: str, test: str) -> str:
+    """mi.json's key of figures on a test set: "untrained" / "untrained_seen", "probe" /
+    "probe_seen" (a run's), "pixels" / "pixels_seen"."""
+    return floor if test == "held_out" else f"{floor}_{test}"
+
+
+TESTS = (("held_out", "Held-out drawers"), ("seen", "Seen drawings"))
+
+
+def write_outputs(results: dict, out: Path) -> None:
+    """report.md, mi.png (probe accuracy per l) and mi_curves.png (pretext accuracy over
+    training) from the figures, complete or not."""
+    atomic_write_text(out / "report.md", report(results))
+    _plot(results, out / "mi.png")
+    _plot_curves(results, out / "mi_curves.png")
+
+
+def _runs(results, m, l, key=None):
+    runs = results["runs"].get(m, {}).get(str(l), [])
+    return runs if key is None else [r[key] for r in runs]
+
+
+def _cell(values) -> str:
+    return "—" if not values else _pm(values)
+
+
+def report(results: dict, methods=None) -> str:
+    methods = list(methods or results.get("methods", METHODS))
+    samplers = results.get("samplers", [])
+    seeds, chars = results["seeds"], results["chars"]
+    done = sum(len(v) for per_l in results["runs"].values() for v in per_l.values())
+    status = "" if results.get("complete") else f" — **partial: {done} runs in, the study did " \
+                                                 "not finish**"
+    mach = results.get("machine", {})
+    lines = [f"# MI study: seeds {seeds}, relation '{results['relation']}', "
+             f"{results['n_train']} training pairs, {results['seconds']:.0f} s of compute"
+             f"{status}", "",
+             f"Machine: {mach.get('cpu', '?')}, {mach.get('torch_threads', '?')} torch "
+             f"threads, torch {mach.get('torch', '?')}.", "",
+             "Linear-probe accuracy of x's characters (mean over positions), mean ± 95% "
+             "t-interval over seeds (no interval from one seed; — = not run); steps = mean "
+             "steps trained; pixels = the probe on x's 2x2-pooled pixels (no encoder). Two test "
+             "sets of new pairs: drawn by held-out drawers (unseen handwriting: the protocol), "
+             "and drawn from the training drawers' own drawings (seen images)."]
+    for test, title in TESTS:
+        key, floor, pix = (_floor_key(f, test) for f in ("probe", "untrained", "pixels"))
+        lines += ["", f"## {title}", "",
+                  "| l | MI (nats) | pixels | untrained | " + " | ".join(methods) + " |",
+                  "|---" * (4 + len(methods)) + "|"]
+        for l in chars:
+            mi_l = results["mi"].get(str(l))
+            cells = [f"{l}", "—" if mi_l is None else f"{mi_l:.2f}",
+                     "—" if str(l) not in results[pix] else f"{results[pix][str(l)]:.3f}",
+                     _cell(list(results[floor].get(str(l), {}).values()))]
+            for m in methods:
+                runs = _runs(results, m, l)
+                steps = f" ({statistics.fmean(r['steps'] for r in runs):.0f} steps)" if runs else ""
+                cells.append(_cell([r[key] for r in runs]) + steps)
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += _paired_lines(results, chars)
+    lines += _sampler_lines(results, methods, samplers)
+    lines += _time_lines(results, chars, [*methods, *samplers])
+    lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
+                                            zip(results["alphabets"], results["alphabet_sizes"])),
+              "", "## Departures from the paper's protocol", ""]
+    lines += [f"- {d}" for d in results["departures"]]
+    return "\n".join(lines) + "\n"
+
+
+def paired_difference(results, a: str, b: str, l: int, key: str) -> list[float]:
+    """a's probe accuracy minus b's, per seed that both ran (same seed: same pairs order,
+    same initial encoders), for a paired interval."""
+    rb = {r["seed"]: r[key] for r in _runs(results, b, l)}
+    return [r[key] - rb[r["seed"]] for r in _runs(results, a, l) if r["seed"] in rb]
+
+
+def _paired_lines(results, chars) -> list[str]:
+    pairs = [("CM-ACC", "XMoCo"), ("CM-ACC", "SMoCo"), ("XMoCo", "SMoCo")]
+    pairs = [(a, b) for a, b in pairs if a in results["runs"] and b in results["runs"]]
+    if not pairs:
+        return []
+    lines = ["", "## Differences, paired by seed", "",
+             "Probe accuracy of the first minus the second, per seed, mean ± 95% t-interval "
+             "over seeds: an interval that excludes 0 is a difference these seeds support.", "",
+             "| l | test pairs | " + " | ".join(f"{a} − {b}" for a, b in pairs) + " |",
+             "|---" * (2 + len(pairs)) + "|"]
+    for l in chars:
+        for test, title in TESTS:
+            key = _floor_key("probe", test)
+            diffs = [paired_difference(results, a, b, l, key) for a, b in pairs]
+            if any(diffs):
+                lines.append(f"| {l} | {title.lower()} | "
+                             + " | ".join(_signed(d) for d in diffs) + " |")
+    return lines
+
+
+def _signed(values) -> str:
+    if not values:
+        return "—"
+    mean, half = mean_ci(values)
+    return f"{mean:+.3f}" if math.isnan(half) else f"{mean:+.3f} ± {half:.3f}"
+
+
+def _sampler_lines(results, methods, samplers) -> list[str]:
+    cols = [m for m in ("XMoCo", "CM-ACC", *samplers) if m in (*methods, *samplers)]
+    chars = results.get("sampler_chars", [])
+    if not samplers or not chars:
+        return []
+    names = {m: f"{m} ({ALL_METHODS[m][1]})" for m in cols}
+    lines = ["", "## Samplers of the cross-modal objective", "",
+             "What is enqueued into the dictionaries: random (XMoCo), active = k-means++ over "
+             "gradient embeddings (CM-ACC), active-feature = k-means++ over the keys, OHEM = "
+             "the highest-loss candidates (paper Tables 2, 3).", "",
+             "| l | test pairs | " + " | ".join(names[m] for m in cols) + " |",
+             "|---" * (2 + len(cols)) + "|"]
+    for l in chars:
+        for test, title in TESTS:
+            key = _floor_key("probe", test)
+            lines.append(f"| {l} | {title.lower()} | "
+                         + " | ".join(_cell(_runs(results, m, l, key)) for m in cols) + " |")
+    return lines
+
+
+def _time_lines(results, chars, methods) -> list[str]:
+    lines = ["", "## Run time", "",
+             "Seconds per run (training + probe), mean over the seeds run.", "",
+             "| l | " + " | ".join(methods) + " |", "|---" * (1 + len(methods)) + "|"]
+    for l in chars:
+        cells = []
+        for m in methods:
+            runs = _runs(results, m, l)
+            secs = [r["seconds"] + r.get("probe_seconds", 0) for r in runs]
+            cells.append(f"{statistics.fmean(secs):.0f}" if secs else "—")
+        lines.append(f"| {l} | " + " | ".join(cells) + " |")
+    lines += ["", f"Whole study: {results['seconds'] / 60:.1f} min of compute (floors and probes "
+              "included, summed over resumed invocations)."]
+    return lines
+
+
+def _pm(values) -> str:
+    mean, half = mean_ci(values)
+    return f"{mean:.3f}" if math.isnan(half) else f"{mean:.3f} ± {half:.3f}"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot(results, png, methods=None):
+    plt = _pyplot()
+    methods = list(methods or results.get("methods", METHODS))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    ls = results["chars"]
+    n_seeds = len(results["seeds"])
+    for ax, (test, title) in zip(axes, TESTS):
+        key, floor = _floor_key("probe", test), _floor_key("untrained", test)
+        for m in methods:
+            pts = [(l, mean_ci(v)) for l in ls if (v := _runs(results, m, l, key))]
+            if pts:
+                ax.errorbar([p[0] for p in pts], [p[1][0] for p in pts],
+                            yerr=[0 if math.isnan(p[1][1]) else p[1][1] for p in pts],
+                            marker="o", capsize=3, label=m)
+        fl = [(l, mean_ci(list(results[floor][str(l)].values()))[0]) for l in ls
+              if results[floor].get(str(l))]
+        ax.plot([p[0] for p in fl], [p[1] for p in fl], color="grey", ls="--", marker=".",
+                label="untrained encoder")
+        ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
+        ax.set_title(f"test pairs: {title.lower()}; {n_seeds} seed(s), "
+                     f"{results['n_train']} pairs", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("linear-probe character accuracy (mean ± 95% CI)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, png)
+
+
+def _plot_curves(results, png):
+    """The loss (what the plateau rule reads) and the pretext accuracy per window over
+    training, one column per l, mean over seeds per method: where each run stopped, and
+    whether it had flattened."""
+    plt = _pyplot()
+    methods = [m for m in (*results.get("methods", METHODS), *results.get("samplers", ()))
+               if m in results["runs"]]
+    ls = [l for l in results["chars"] if any(_runs(results, m, l) for m in methods)]
+    if not ls:
+        return
+    window = results["config"]["window"]
+    fig, axes = plt.subplots(2, len(ls), figsize=(3.2 * len(ls), 5.6), squeeze=False,
+                             sharex="col")
+    for col, l in enumerate(ls):
+        for row, key in enumerate(("loss", "acc")):
+            ax = axes[row][col]
+            for m in methods:
+                runs = _runs(results, m, l)
+                if not runs:
+                    continue
+                n = min(len(r[key]) for r in runs)
+                mean = [statistics.fmean(r[key][i] for r in runs) for i in range(n)]
+                ax.plot([window * (i + 1) for i in range(n)], mean, label=m)
+            ax.grid(alpha=0.3)
+            if row == 0:
+                ax.set_title(f"l = {l}", fontsize=9)
+            else:
+                ax.set_xlabel("step")
+    axes[0][0].set_ylabel("loss (window mean, nats)")
+    axes[1][0].set_ylabel("pretext accuracy (window mean)")
+    axes[0][0].legend(fontsize=7)
+    n_seeds = len({r["seed"] for m in methods for l in ls for r in _runs(results, m, l)})
+    fig.suptitle(f"training curves, mean over the {n_seeds} seed(s) run", fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, png)

@@ -1,0 +1,211 @@
+"""The study: every run of the plan (seeds, l, methods, samplers), the floors, resuming from
+mi.json, and the departures from the paper's protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from data_dali.cli import UserError
+from data_dali.fileio import atomic_write_text
+
+from .data import (PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, TRAIN_DRAWERS, Glyphs,
+                   MultiOmniglotPairs, check_glyphs)
+from .probe import probe_accuracy
+from .report import _floor_key, write_outputs
+from .train import (DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig, build_model,
+                    train_one)
+
+
+def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -> list[str]:
+    """Every way this run differs from the paper's protocol (appendix; Ozair et al. 2019)."""
+    d = []
+    if glyphs.sizes[:len(PAPER_ALPHABET_SIZES)] != list(PAPER_ALPHABET_SIZES)[:len(glyphs.sizes)]:
+        d.append(f"alphabets: {', '.join(f'{n} {s}' for n, s in zip(glyphs.names, glyphs.sizes))}"
+                 f" (paper: Tifinagh 55, Hiragana 52, ... Mkhedruli 41), so the MI at each l is "
+                 "lower than the paper's")
+    if max(chars) < 9:
+        d.append(f"l up to {max(chars)} (paper: 1..9)")
+    if n_train != PAPER_TRAIN_PAIRS:
+        d.append(f"{n_train} training pairs (paper: {PAPER_TRAIN_PAIRS})")
+    d.append(f"y's relation to x: '{relation}' (the appendix does not state it; 'next' is Ozair "
+             "et al.'s construction as public reproductions build it)")
+    d.append(f"encoder: a 4-layer CNN of width {cfg.width} (features d_h = {4 * cfg.width}) with "
+             "global average pooling (the appendix does not name the encoder for this study; "
+             "width 16 runs ~2.5x faster than 32 on a CPU at l >= 4), "
+             f"{'with' if cfg.fcl else 'no'} fcl")
+    d.append(f"drawers 0..{TRAIN_DRAWERS - 1} for training pairs, the others for the probe's "
+             "test pairs (not stated in the appendix); the probe is also scored on new pairs "
+             "of the training drawers' own drawings ('seen drawings')")
+    for name, paper in PAPER_CONFIG.items():
+        if getattr(cfg, name) != paper:
+            d.append(f"{name} = {getattr(cfg, name)} (paper: {paper}){DEPARTURE_WHY.get(name, '')}")
+    d.append(f"training stops at a loss plateau (window-mean loss falls < {cfg.tol} nats per "
+             f"window for {cfg.patience} windows, counted from step "
+             f"{max(cfg.warmup, cfg.min_steps)}) or at {cfg.max_steps} steps, the same budget "
+             "for every objective (the paper does not state its schedule)")
+    d.append(f"seeds {list(seeds)}; the probe: multinomial logistic regression (L-BFGS) on the "
+             "frozen backbone features, one per position, mean accuracy")
+    return d
+
+
+def default_sampler_chars(chars) -> list[int]:
+    """Where the samplers are compared by default: the two largest l >= 3 of the study (the
+    high-MI settings, e^MI above the 50,000 training pairs)."""
+    return sorted(l for l in chars if l >= 3)[-2:]
+
+
+def plan(chars, seeds, methods, sampler_chars, samplers) -> list[tuple[int, int, str]]:
+    """The study's runs (seed, l, method) in the order they train: first the curve (every l,
+    ``methods``), then ``samplers`` at ``sampler_chars``; seeds outermost in each, so a study
+    stopped early holds whole curves of its first seeds, and the claim before the samplers."""
+    curve = [(seed, l, m) for seed in seeds for l in chars for m in methods]
+    return curve + [(seed, l, m) for seed in seeds for l in chars if l in sampler_chars
+                    for m in samplers]
+
+
+def _settings(glyphs: Glyphs, chars, cfg: MIConfig, relation, n_train, n_test, n_probe) -> dict:
+    """What a run's figures depend on besides (seed, l, method): a resumed study must match."""
+    return {"alphabets": glyphs.names[:max(chars)], "alphabet_sizes": glyphs.sizes[:max(chars)],
+            "relation": relation, "n_train": n_train, "n_test": n_test, "n_probe": n_probe,
+            "config": dataclasses.asdict(cfg)}
+
+
+def _resume(path: Path, settings: dict) -> dict:
+    """The figures of an earlier study in ``path`` with the same settings (a study resumes:
+    its finished runs are kept), or empty ones; a UserError if the settings differ."""
+    empty = {"mi": {}, "untrained": {}, "untrained_seen": {}, "pixels": {}, "pixels_seen": {},
+             "runs": {}, "seconds": 0.0}
+    if not path.exists():
+        return empty
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable ({e}); move it away or pass another --out") from None
+    def same(k):
+        # a shorter earlier study of the same alphabets is still the same study
+        a, b = old.get(k), settings[k]
+        if k in ("alphabets", "alphabet_sizes") and isinstance(a, list):
+            n = min(len(a), len(b))
+            return a[:n] == b[:n]
+        return a == b
+    diff = [k for k in settings if not same(k)]
+    if diff:
+        what = "; ".join(f"{k}: {old.get(k)!r} there, {settings[k]!r} now" for k in diff)
+        raise UserError(f"{path}: a study with other settings ({what}); pass another --out, or "
+                        "the same settings to resume it")
+    return {k: old.get(k, v) for k, v in empty.items()}
+
+
+def _run_done(results, seed, l, m) -> bool:
+    return any(r["seed"] == seed for r in results["runs"].get(m, {}).get(str(l), []))
+
+
+def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
+        n_train=PAPER_TRAIN_PAIRS, n_test=2000, n_probe=10_000, seeds=(0, 1, 2),
+        methods=tuple(METHODS), relation="next", sampler_chars=None,
+        samplers=tuple(SAMPLERS), log=print, verbose=False) -> dict:
+    """Train and probe every run of ``plan``; ``mi.json`` in ``out`` is rewritten after each
+    one, and runs already there (same settings) are kept, not trained again."""
+    cfg = cfg or MIConfig()
+    glyphs = Glyphs(root)
+    check_glyphs(glyphs, root, max(chars))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sampler_chars = default_sampler_chars(chars) if sampler_chars is None else list(sampler_chars)
+    settings = _settings(glyphs, chars, cfg, relation, n_train, n_test, n_probe)
+    results = {**settings, **_resume(out / "mi.json", settings)}
+    results.update({"chars": list(chars), "seeds": list(seeds), "methods": list(methods),
+                    "samplers": list(samplers), "sampler_chars": sampler_chars,
+                    "complete": False,  # True once every run of the plan is in
+                    "machine": machine(),
+                    "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)})
+    todo = plan(chars, seeds, methods, sampler_chars, samplers)
+    kept = sum(_run_done(results, *r) for r in todo)
+    if kept:
+        log(f"resuming {out / 'mi.json'}: {kept} of {len(todo)} runs already there, kept")
+    n_drawers = glyphs.bank[0].shape[1]
+    data = {}  # l -> (train pairs, test sets), built on first use
+
+    def pairs(l):
+        if l not in data:
+            tr = MultiOmniglotPairs(glyphs, l, n_train, seed=1000 * l, relation=relation,
+                                    drawers=range(0, TRAIN_DRAWERS))
+            te = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 1, relation=relation,
+                                    drawers=range(TRAIN_DRAWERS, n_drawers))
+            # new pairs of the training drawers' own drawings: what a probe measures when the
+            # test images were seen in training (how the paper's near-1.0 floor can arise)
+            ts = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 2, relation=relation,
+                                    drawers=range(0, TRAIN_DRAWERS))
+            data.clear()  # one l at a time in memory
+            data[l] = tr, {"held_out": te, "seen": ts}
+        return data[l]
+
+    def save():
+        atomic_write_text(out / "mi.json", json.dumps(results, indent=2))
+
+    t_last = time.perf_counter()
+
+    def tick():  # this study's compute time, summed over resumed invocations
+        nonlocal t_last
+        now = time.perf_counter()
+        results["seconds"] += now - t_last
+        t_last = now
+
+    for seed, l, m in todo:
+        if _run_done(results, seed, l, m):
+            continue
+        tr, tests = pairs(l)
+        results["mi"][str(l)] = tr.mutual_information
+        if str(l) not in results["pixels"]:
+            pixels = probe_accuracy(None, tr, tests, n_probe)  # the floor without an encoder
+            for k, v in pixels.items():
+                results[_floor_key("pixels", k)][str(l)] = v
+            log(f"l={l} pixels: probe {pixels['held_out']:.3f} (seen drawings "
+                f"{pixels['seen']:.3f})")
+        if str(seed) not in results["untrained"].get(str(l), {}):
+            # the floor: the same encoder at initialisation
+            floor = probe_accuracy(build_model(methods[0] if methods else m, cfg, seed), tr,
+                                   tests, n_probe)
+            for k, v in floor.items():
+                results[_floor_key("untrained", k)].setdefault(str(l), {})[str(seed)] = v
+            log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
+                f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
+        model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
+        t0 = time.perf_counter()
+        acc = probe_accuracy(model, tr, tests, n_probe)
+        hist["probe_seconds"] = time.perf_counter() - t0
+        results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
+            {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
+        log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "
+            f"{acc['seen']:.3f})  ({hist['steps']} steps, {hist['stop']}, pretext acc "
+            f"{hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
+        tick()
+        save()  # each finished run is on disk at once: a stopped study keeps it
+    tick()
+    results["complete"] = True
+    save()
+    write_outputs(results, out)
+    return results
+
+
+def machine() -> dict:
+    """Where the figures (run times above all) were measured."""
+    import platform
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}

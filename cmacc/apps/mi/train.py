@@ -1,0 +1,175 @@
+"""One training run of the study: its settings (``MIConfig``, the paper's values beside them),
+the model of each method, the stop rule and the loop."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cmacc.config import ModelConfig, SelectionConfig
+from cmacc.model import CMACC
+
+from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
+from .nets import SmallCNN, augment
+
+METHODS = {"SMoCo": ("smoco", "random"),  # the curve: (objective, sampler)
+           "XMoCo": ("cross", "random"),
+           "CM-ACC": ("cross", "active")}
+SAMPLERS = {"CM-ACC-feature": ("cross", "active-feature"),  # the samplers the paper compares
+            "OHEM": ("cross", "ohem")}  # (Tables 2, 3), beside XMoCo's random and CM-ACC's
+ALL_METHODS = {**METHODS, **SAMPLERS}
+
+
+@dataclass
+class MIConfig:
+    """One training run of the study. Defaults: the paper's optimiser and sizes (§4.1, App. A)."""
+
+    batch: int = 128  # M
+    dict_mult: int = 30  # K = dict_mult * M
+    pool_mult: int = 31  # N = pool_mult * M, the candidate pool (paper: 300; 31 = K + M, the
+    # least the active samplers accept: a selection costs ~35 ms on 2 CPU cores, ~1 s at 300)
+    lr: float = 1e-3
+    warmup: int = 100  # linear warm-up steps of the learning rate (paper: 500, for 200 epochs)
+    tau: float = 0.7
+    momentum: float = 0.999
+    dim: int = 128
+    fcl: bool = False  # the paper's extra FC layer with the cross-modal momentum rule (§3.2)
+    fcl_dim: int = 128
+    width: int = 16  # channels of the first layer (16, 32, 64, 64; features d_h = 4 * width)
+    bn_groups: int = 4  # shuffle-BN: BN statistics per quarter of the batch, keys shuffled
+    max_steps: int = 1500
+    window: int = 100  # the loss and pretext accuracy are averaged over windows of this many steps
+    tol: float = 0.01  # plateau: the window-mean loss falls by < tol nats from the one before ...
+    patience: int = 3  # ... this many windows in a row ...
+    min_steps: int = 500  # ... counted from this step on (the loss is flat near log(K + 1)
+    # before it starts to fall)
+    shift: int = 2  # SMoCo's second view: translation (px) and noise
+    noise: float = 0.05
+
+    def __post_init__(self):
+        for name in ("batch", "dict_mult", "pool_mult", "dim", "width", "max_steps", "window",
+                     "patience", "bn_groups"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.min_steps < 0:
+            raise ValueError(f"min_steps must be >= 0, got {self.min_steps}")
+        if self.batch % self.bn_groups:
+            raise ValueError(f"batch {self.batch} must be a multiple of bn_groups {self.bn_groups}")
+        if self.lr <= 0 or self.tau <= 0 or not 0 <= self.momentum < 1 or self.warmup < 0:
+            raise ValueError("lr and tau must be > 0, momentum in [0, 1), warmup >= 0")
+
+    @property
+    def dict_size(self) -> int:
+        return self.dict_mult * self.batch
+
+
+# the paper's values of MIConfig's fields (§4.1, App. A; docs/DESIGN.md §1), for the report's
+# departures
+PAPER_CONFIG = dict(batch=128, dict_mult=30, pool_mult=300, lr=1e-3, warmup=500, tau=0.7,
+                    momentum=0.999, dim=128)
+DEPARTURE_WHY = {
+    "pool_mult": ": the active selection reads the pool once per pick, 127 picks a step; at "
+                 "300 * M it costs ~1 s per dictionary per step on 2 CPU cores, at K + M ~35 ms",
+    "warmup": ": the paper's warm-up is for 200 epochs of Kinetics; these runs are ~10^3 steps",
+}
+QUICK = dict(batch=32, dict_mult=4, pool_mult=12, warmup=20, min_steps=20, max_steps=60, window=20,
+             width=8, dim=32)
+PAIRS = dict(train=PAPER_TRAIN_PAIRS, test=2000, probe=10_000)
+QUICK_PAIRS = dict(train=4000, test=500, probe=2000)
+
+
+class ShuffledKeysCMACC(CMACC):
+    """CM-ACC whose key encoders see the batch in a random order (MoCo's shuffle-BN in one
+    process): with BN statistics per group of the batch (``bn_groups``), a query and its
+    positive key are normalised with different samples, so the pretext task cannot be solved
+    by recognising the current batch's BN signature (MoCo §3.3; the paper uses shuffling BN in
+    all encoders, §4.1). ``distributed.batch_shuffle`` is the identity in one process."""
+
+    @torch.no_grad()
+    def encode_keys(self, encoder, x):
+        perm = torch.randperm(x.shape[0], device=x.device)
+        k, _ = encoder(x[perm])
+        return k[torch.argsort(perm)]
+
+
+def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
+    torch.manual_seed(seed)
+    objective, sampler = ALL_METHODS[method]
+    mcfg = ModelConfig(objective=objective, batch_size=cfg.batch, dict_size=cfg.dict_size,
+                       dim=cfg.dim, fcl=cfg.fcl, fcl_dim=cfg.fcl_dim, momentum=cfg.momentum,
+                       tau=cfg.tau, seed=seed)
+    sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch)
+    backbones = (SmallCNN(cfg.width, cfg.bn_groups), SmallCNN(cfg.width, cfg.bn_groups))
+    cls = ShuffledKeysCMACC if cfg.bn_groups > 1 else CMACC
+    model = cls(mcfg, sel, backbones=backbones)
+    return model.to(memory_format=torch.channels_last)
+
+
+def plateau_step(curve: list[float], tol: float, patience: int) -> int | None:
+    """The window (index into ``curve``, a quantity that should grow per window: the negated
+    loss in training) at which training stops: the first where each of the last ``patience``
+    windows gained < ``tol`` over the one before it; None if there is none."""
+    run = 0
+    for i in range(1, len(curve)):
+        run = run + 1 if curve[i] - curve[i - 1] < tol else 0
+        if run >= patience:
+            return i
+    return None
+
+
+def loss_plateaued(losses: list[float], cfg: MIConfig) -> bool:
+    """Whether training stops after these window-mean losses (one per ``cfg.window`` steps):
+    the loss fell by < ``cfg.tol`` nats for ``cfg.patience`` windows in a row, counting only
+    the windows that end after ``max(warmup, min_steps)`` (the loss sits near log(K + 1)
+    before it starts to fall, which is not a plateau)."""
+    first = -(-max(cfg.warmup, cfg.min_steps) // cfg.window)  # windows ending after that step
+    return plateau_step([-v for v in losses[first:]], cfg.tol, cfg.patience) is not None
+
+
+def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, *,
+              log=None) -> tuple[CMACC, dict]:
+    """Train to the loss's plateau (or ``cfg.max_steps``). Returns the model and its
+    history: pretext accuracy and loss per window, steps run, why it stopped, seconds."""
+    model = build_model(method, cfg, seed)
+    opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
+    g = torch.Generator().manual_seed(seed)
+    n = len(train)
+    perm, pos = torch.randperm(n, generator=g), 0
+    hist = {"acc": [], "loss": [], "steps": 0, "stop": "max_steps"}
+    acc_sum = loss_sum = 0.0
+    t0 = time.perf_counter()
+    for step in range(cfg.max_steps):
+        if pos + cfg.batch > n:  # epochs without replacement
+            perm, pos = torch.randperm(n, generator=g), 0
+        idx = perm[pos:pos + cfg.batch]
+        pos += cfg.batch
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup) if cfg.warmup else cfg.lr
+        x, y = train.batch(idx)
+        kw = {}
+        if method == "SMoCo":  # unimodal: x vs augmented x (y vs augmented y)
+            kw = dict(video2=augment(x, g, shift=cfg.shift, noise=cfg.noise),
+                      audio2=augment(y, g, shift=cfg.shift, noise=cfg.noise))
+        loss, stats = model(x, y, idx, step=step, **kw)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        acc_sum += float(stats["acc"])
+        loss_sum += float(loss.detach())
+        if (step + 1) % cfg.window == 0:
+            hist["acc"].append(acc_sum / cfg.window)
+            hist["loss"].append(loss_sum / cfg.window)
+            acc_sum = loss_sum = 0.0
+            if log:
+                log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
+                    f"loss {hist['loss'][-1]:.3f}")
+            if loss_plateaued(hist["loss"], cfg):
+                hist["stop"] = "plateau"
+                hist["steps"] = step + 1
+                break
+    else:
+        hist["steps"] = cfg.max_steps
+    hist["seconds"] = time.perf_counter() - t0
+    return model, hist
