@@ -222,8 +222,9 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
 
 def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     """A study keeps its finished runs: run again with more seeds, only the new seed trains
-    (the first seed's figures are the file's, untouched); another setting is one clear error;
-    --report-only renders a partial mi.json, saying it is partial."""
+    (the first seed's figures are the file's, untouched); another setting is one clear error,
+    except the pool, a setting of the active sampler's runs only (those train again); --report-
+    only renders a partial mi.json, saying it is partial."""
     glyphs, out = str(tmp_path / "g"), tmp_path / "mi"
     base = ["--make-glyphs", glyphs, "--quick", "--chars", "1", "--samplers", "--out", str(out)]
     assert mi.main([*base, "--seeds", "0"]) == 0
@@ -252,6 +253,17 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     with pytest.raises(SystemExit) as e:  # another setting: the command's one-line error
         mi.main([*base, "--seeds", "0", "--tau", "0.2"])
     assert e.value.code == 2
+    # another pool: the active sampler's runs are trained again, the random ones kept
+    trained.clear()
+    mp.setattr(mi.study, "train_one", counting)
+    try:
+        assert mi.main([*base, "--seeds", "0", "1", "--pool-mult", "20"]) == 0
+    finally:
+        mp.undo()
+    assert sorted(trained) == [("CM-ACC", 0), ("CM-ACC", 1)]
+    both = json.loads((out / "mi.json").read_text())
+    assert [r["pool_mult"] for r in both["runs"]["CM-ACC"]["1"]] == [20, 20]
+    assert both["runs"]["SMoCo"]["1"][0] == first["runs"]["SMoCo"]["1"][0]
     # a partial study: drop the second seed's CM-ACC run and report
     del both["runs"]["CM-ACC"]["1"][1]
     both["complete"] = False

@@ -17,8 +17,8 @@ from .data import (PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, TRAIN_DRAWERS, Glyph
                    MultiOmniglotPairs, check_glyphs)
 from .probe import probe_accuracy
 from .report import _floor_key, write_outputs
-from .train import (DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig, build_model,
-                    train_one)
+from .train import (ALL_METHODS, DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig,
+                    build_model, train_one)
 
 
 def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -> list[str]:
@@ -92,6 +92,8 @@ def _resume(path: Path, settings: dict) -> dict:
         if k in ("alphabets", "alphabet_sizes") and isinstance(a, list):
             n = min(len(a), len(b))
             return a[:n] == b[:n]
+        if k == "config" and isinstance(a, dict):  # the pool is a setting of each active run
+            return {**a, "pool_mult": None} == {**b, "pool_mult": None}
         return a == b
     diff = [k for k in settings if not same(k)]
     if diff:
@@ -103,6 +105,25 @@ def _resume(path: Path, settings: dict) -> dict:
 
 def _run_done(results, seed, l, m) -> bool:
     return any(r["seed"] == seed for r in results["runs"].get(m, {}).get(str(l), []))
+
+
+def _selects(method: str) -> bool:
+    """Whether a method's runs read the candidate pool (its sampler is not random)."""
+    return ALL_METHODS.get(method, ("", "random"))[1] != "random"
+
+
+def _drop_other_pools(results, pool_mult: int) -> int:
+    """Remove the runs of the active samplers that had another pool size (they are trained
+    again; the random samplers never read the pool and are kept). Returns how many."""
+    dropped = 0
+    for m, per_l in results["runs"].items():
+        if not _selects(m):
+            continue
+        for l, runs in per_l.items():
+            keep = [r for r in runs if r.get("pool_mult") == pool_mult]
+            dropped += len(runs) - len(keep)
+            per_l[l] = keep
+    return dropped
 
 
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
@@ -124,6 +145,10 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                     "complete": False,  # True once every run of the plan is in
                     "machine": machine(),
                     "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)})
+    dropped = _drop_other_pools(results, cfg.pool_mult)
+    if dropped:
+        log(f"{out / 'mi.json'}: {dropped} runs of the active samplers had another pool size "
+            f"than --pool-mult {cfg.pool_mult}; they are trained again")
     todo = plan(chars, seeds, methods, sampler_chars, samplers)
     kept = sum(_run_done(results, *r) for r in todo)
     if kept:
@@ -179,6 +204,8 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         t0 = time.perf_counter()
         acc = probe_accuracy(model, tr, tests, n_probe)
         hist["probe_seconds"] = time.perf_counter() - t0
+        if _selects(m):
+            hist["pool_mult"] = cfg.pool_mult
         results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
             {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
         log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "
