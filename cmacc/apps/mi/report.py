@@ -170,7 +170,7 @@ def _plot(results, png, methods=None):
     methods = list(methods or results.get("methods", METHODS))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     ls = results["chars"]
-    n_seeds = len(results["seeds"])
+    n_seeds = len({r["seed"] for m in methods for l in ls for r in _runs(results, m, l)})
     for ax, (test, title) in zip(axes, TESTS):
         key, floor = _floor_key("probe", test), _floor_key("untrained", test)
         for m in methods:
@@ -183,8 +183,12 @@ def _plot(results, png, methods=None):
               if results[floor].get(str(l))]
         ax.plot([p[0] for p in fl], [p[1] for p in fl], color="grey", ls="--", marker=".",
                 label="untrained encoder")
+        pix = _floor_key("pixels", test)
+        px = [(l, results[pix][str(l)]) for l in ls if str(l) in results[pix]]
+        ax.plot([p[0] for p in px], [p[1] for p in px], color="black", ls=":", marker="x",
+                label="raw pixels (2x2-pooled)")
         ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
-        ax.set_title(f"test pairs: {title.lower()}; {n_seeds} seed(s), "
+        ax.set_title(f"test pairs: {title.lower()}; {n_seeds} seed(s) run, "
                      f"{results['n_train']} pairs", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("linear-probe character accuracy (mean ± 95% CI)")
