@@ -72,10 +72,13 @@ _C2 = 0xC2B2AE35
 _GOLDEN = 0x9E3779B9
 _RNG_STEPS = 16  # race uniforms are generated for this many steps at once ([16, N] int32)
 # Below this many factor floats read per k-means++ step, numpy's BLAS runs on one thread: each
-# step's matrix-vector products then take tens of microseconds, and waking a second BLAS thread
-# beside torch's own pool costs more than it gives. Measured on 2 cores: at N = 3,968 (1M
-# floats a step) a selection takes 39 ms on one thread, 83 ms on two; at N = 38,400 (10M
-# floats) 328 ms on one, 268 ms on two. The thread count changes no pick (rows are independent).
+# step's matrix-vector products then take tens of microseconds, and inside a training step a
+# second BLAS thread, waking beside torch's own pool on the same cores, costs more than it gives.
+# Measured on 2 cores (bench/RESULTS.md, "CPU selection"): CM-ACC in the MI study (N = 3,968)
+# trained 150 steps in 25.1 s with two BLAS threads, 11.1 s with one (XMoCo: 5.5 s); the
+# samplers' selection alone at that N, 83 vs 39 ms. The bare reference timed back to back in
+# bench/bench_select_cpu.py is faster on two threads (19 vs 30 ms at N = 3,968), and so is the
+# samplers' call at N = 38,400 (10M floats: 268 vs 328 ms). No pick depends on the threads.
 _BLAS_ONE_THREAD_BELOW = 1 << 22
 _blas = None  # threadpoolctl's controller, made on first use; False where it is missing
 
