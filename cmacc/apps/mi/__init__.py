@@ -51,6 +51,6 @@ from .report import paired_difference, report, write_outputs
 from .study import default_sampler_chars, departures, machine, plan, run
 from .train import (ALL_METHODS, DEPARTURE_WHY, METHODS, PAIRS, PAPER_CONFIG, QUICK, QUICK_PAIRS,
                     SAMPLERS, MIConfig, ShuffledKeysCMACC, build_model, loss_plateaued,
-                    plateau_step, train_one)
+                    plateau_step, selects, train_one)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -13,7 +13,7 @@ from .. import positive_int
 from .data import RELATIONS, make_glyphs
 from .report import write_outputs
 from .study import run
-from .train import ALL_METHODS, METHODS, PAIRS, QUICK, QUICK_PAIRS, SAMPLERS, MIConfig
+from .train import ALL_METHODS, METHODS, PAIRS, QUICK, QUICK_PAIRS, SAMPLERS, MIConfig, selects
 
 
 @command
@@ -74,7 +74,7 @@ def main(argv=None):
         p.error(f"--train-pairs {args.train_pairs} is smaller than --batch {cfg.batch}")
     if args.sampler_chars and not set(args.sampler_chars) <= set(args.chars):
         p.error(f"--sampler-chars {args.sampler_chars}: each must be one of --chars {args.chars}")
-    active = {"CM-ACC", "CM-ACC-feature", "OHEM"} & {*args.methods, *args.samplers}
+    active = {m for m in (*args.methods, *args.samplers) if selects(m)}
     if args.train_pairs < cfg.dict_size and active:
         p.error(f"--train-pairs {args.train_pairs} is smaller than K = {cfg.dict_size}: the "
                 f"samplers {sorted(active)} need more distinct pairs than the dictionary holds")

@@ -12,6 +12,7 @@ from data_dali.fileio import atomic_write_text
 
 from .train import ALL_METHODS, METHODS
 
+
 def _floor_key(floor: str, test: str) -> str:
     """mi.json's key of figures on a test set: "untrained" / "untrained_seen", "probe" /
     "probe_seen" (a run's), "pixels" / "pixels_seen"."""
@@ -32,6 +33,10 @@ def write_outputs(results: dict, out: Path) -> None:
 def _runs(results, m, l, key=None):
     runs = results["runs"].get(m, {}).get(str(l), [])
     return runs if key is None else [r[key] for r in runs]
+
+
+def _seeds_run(results, methods, chars) -> int:
+    return len({r["seed"] for m in methods for l in chars for r in _runs(results, m, l)})
 
 
 def _cell(values) -> str:
@@ -170,7 +175,7 @@ def _plot(results, png, methods=None):
     methods = list(methods or results.get("methods", METHODS))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
     ls = results["chars"]
-    n_seeds = len({r["seed"] for m in methods for l in ls for r in _runs(results, m, l)})
+    n_seeds = _seeds_run(results, methods, ls)
     for ax, (test, title) in zip(axes, TESTS):
         key, floor = _floor_key("probe", test), _floor_key("untrained", test)
         for m in methods:
@@ -228,7 +233,7 @@ def _plot_curves(results, png):
     axes[0][0].set_ylabel("loss (window mean, nats)")
     axes[1][0].set_ylabel("pretext accuracy (window mean)")
     axes[0][0].legend(fontsize=7)
-    n_seeds = len({r["seed"] for m in methods for l in ls for r in _runs(results, m, l)})
+    n_seeds = _seeds_run(results, methods, ls)
     fig.suptitle(f"training curves, mean over the {n_seeds} seed(s) run", fontsize=9)
     fig.tight_layout()
     save_figure(fig, png)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -17,8 +19,8 @@ from .data import (PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, TRAIN_DRAWERS, Glyph
                    MultiOmniglotPairs, check_glyphs)
 from .probe import probe_accuracy
 from .report import _floor_key, write_outputs
-from .train import (ALL_METHODS, DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig,
-                    build_model, train_one)
+from .train import (DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig, build_model,
+                    selects, train_one)
 
 
 def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -> list[str]:
@@ -107,17 +109,12 @@ def _run_done(results, seed, l, m) -> bool:
     return any(r["seed"] == seed for r in results["runs"].get(m, {}).get(str(l), []))
 
 
-def _selects(method: str) -> bool:
-    """Whether a method's runs read the candidate pool (its sampler is not random)."""
-    return ALL_METHODS.get(method, ("", "random"))[1] != "random"
-
-
 def _drop_other_pools(results, pool_mult: int) -> int:
     """Remove the runs of the active samplers that had another pool size (they are trained
     again; the random samplers never read the pool and are kept). Returns how many."""
     dropped = 0
     for m, per_l in results["runs"].items():
-        if not _selects(m):
+        if not selects(m):
             continue
         for l, runs in per_l.items():
             keep = [r for r in runs if r.get("pool_mult") == pool_mult]
@@ -204,7 +201,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         t0 = time.perf_counter()
         acc = probe_accuracy(model, tr, tests, n_probe)
         hist["probe_seconds"] = time.perf_counter() - t0
-        if _selects(m):
+        if selects(m):
             hist["pool_mult"] = cfg.pool_mult
         results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
             {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
@@ -222,8 +219,6 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
 
 def machine() -> dict:
     """Where the figures (run times above all) were measured."""
-    import platform
-
     cpu = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -232,7 +227,5 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    import os
-
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__}

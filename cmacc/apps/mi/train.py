@@ -22,9 +22,17 @@ SAMPLERS = {"CM-ACC-feature": ("cross", "active-feature"),  # the samplers the p
 ALL_METHODS = {**METHODS, **SAMPLERS}
 
 
+def selects(method: str) -> bool:
+    """Whether a method's runs select from the candidate pool (its sampler is not random); a
+    name this version does not know (an older mi.json's) counts as not selecting."""
+    return ALL_METHODS.get(method, ("", "random"))[1] != "random"
+
+
 @dataclass
 class MIConfig:
-    """One training run of the study. Defaults: the paper's optimiser and sizes (§4.1, App. A)."""
+    """One training run of the study. Defaults: the paper's optimiser and method sizes (§4.1,
+    App. A), with CPU-sized encoder width, pool and warm-up (``PAPER_CONFIG`` has the paper's
+    values; the report lists each departure)."""
 
     batch: int = 128  # M
     dict_mult: int = 30  # K = dict_mult * M
