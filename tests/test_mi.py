@@ -249,6 +249,7 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
         assert [r["seed"] for r in runs] == [0, 1]
         assert runs[0] == first["runs"][m]["1"][0]
     assert both["untrained"]["1"]["0"] == first["untrained"]["1"]["0"]
+    first_cmacc = both["runs"]["CM-ACC"]["1"]  # seeds 0, 1 at the quick pool
     assert both["seconds"] > first["seconds"]
     with pytest.raises(SystemExit) as e:  # another setting: the command's one-line error
         mi.main([*base, "--seeds", "0", "--tau", "0.2"])
@@ -263,6 +264,8 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     assert sorted(trained) == [("CM-ACC", 0), ("CM-ACC", 1)]
     both = json.loads((out / "mi.json").read_text())
     assert [r["pool_mult"] for r in both["runs"]["CM-ACC"]["1"]] == [20, 20]
+    # the other pool's finished runs are set aside in mi.json, not deleted
+    assert both["runs_other_pool"]["CM-ACC"]["1"] == first_cmacc
     assert both["runs"]["SMoCo"]["1"][0] == first["runs"]["SMoCo"]["1"][0]
     # a partial study: drop the second seed's CM-ACC run and report
     del both["runs"]["CM-ACC"]["1"][1]

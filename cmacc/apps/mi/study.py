@@ -81,7 +81,7 @@ def _resume(path: Path, settings: dict) -> dict:
     """The figures of an earlier study in ``path`` with the same settings (a study resumes:
     its finished runs are kept), or empty ones; a UserError if the settings differ."""
     empty = {"mi": {}, "untrained": {}, "untrained_seen": {}, "pixels": {}, "pixels_seen": {},
-             "runs": {}, "seconds": 0.0}
+             "runs": {}, "runs_other_pool": {}, "seconds": 0.0}
     if not path.exists():
         return empty
     try:
@@ -110,17 +110,20 @@ def _run_done(results, seed, l, m) -> bool:
 
 
 def _drop_other_pools(results, pool_mult: int) -> int:
-    """Remove the runs of the active samplers that had another pool size (they are trained
-    again; the random samplers never read the pool and are kept). Returns how many."""
-    dropped = 0
+    """Move the runs of the active samplers that had another pool size out of ``runs`` into
+    ``runs_other_pool`` (kept in mi.json, never deleted; the study trains them again; the
+    random samplers never read the pool and stay). Returns how many were moved."""
+    moved = 0
     for m, per_l in results["runs"].items():
         if not selects(m):
             continue
         for l, runs in per_l.items():
             keep = [r for r in runs if r.get("pool_mult") == pool_mult]
-            dropped += len(runs) - len(keep)
+            other = [r for r in runs if r.get("pool_mult") != pool_mult]
+            results["runs_other_pool"].setdefault(m, {}).setdefault(l, []).extend(other)
+            moved += len(other)
             per_l[l] = keep
-    return dropped
+    return moved
 
 
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
@@ -145,7 +148,8 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     dropped = _drop_other_pools(results, cfg.pool_mult)
     if dropped:
         log(f"{out / 'mi.json'}: {dropped} runs of the active samplers had another pool size "
-            f"than --pool-mult {cfg.pool_mult}; they are trained again")
+            f"than --pool-mult {cfg.pool_mult}; they are trained again (the old ones are kept "
+            "in mi.json under runs_other_pool)")
     todo = plan(chars, seeds, methods, sampler_chars, samplers)
     kept = sum(_run_done(results, *r) for r in todo)
     if kept:
