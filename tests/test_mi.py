@@ -215,8 +215,20 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     report = (out / "report.md").read_text()
     assert "## Held-out drawers" in report and "## Seen drawings" in report
     assert "## Samplers of the cross-modal objective" in report and "OHEM (ohem)" in report
+    # each sampler against random (XMoCo) and against the active sampler, paired by seed
+    section = report.split("## Samplers: differences, paired by seed")[1].split("## ")[0]
+    head = next(line for line in section.splitlines() if line.startswith("| l |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = next(line for line in section.splitlines() if line.startswith("| 3 | held-out"))
+    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    for a, b in [("OHEM", "XMoCo"), ("CM-ACC", "OHEM"), ("CM-ACC-feature", "XMoCo")]:
+        (ra,), (rb,) = res["runs"][a]["3"], res["runs"][b]["3"]
+        assert cells[f"{a} − {b}"] == f"{ra['probe'] - rb['probe']:+.3f}"
     assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report
     assert "partial" not in report
+    runs = [r for per_l in res["runs"].values() for rs in per_l.values() for r in rs]
+    minutes = sum(r["seconds"] + r["probe_seconds"] for r in runs) / 60
+    assert f"the {len(runs)} runs in the tables: {minutes:.1f} min" in report
     assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
 
 

@@ -21,7 +21,7 @@ OHEM) run at ``--sampler-chars`` (the two largest l >= 3). A run stops at a plat
 loss (``--tol``/``--patience``/``--min-steps``) or at ``--max-steps``; a linear probe of the
 character at every position reads the frozen x-encoder's backbone features (mean accuracy
 over positions), beside the untrained and raw-pixel floors. ``report.md`` lists every
-departure from the paper's protocol (CPU-sized: a 100-step warm-up, a pool of K + M
+departure from the paper's protocol (CPU-sized: a 100-step warm-up, a pool of 60 M = 2 K
 candidates, encoder width 16), gives paired differences between the objectives per seed, and
 the run times; ``mi_curves.png`` shows each run's loss and pretext accuracy. The probe is
 scored on two test sets: pairs drawn by held-out drawers (unseen handwriting, the protocol)

@@ -76,9 +76,11 @@ def report(results: dict, methods=None) -> str:
                 steps = f" ({statistics.fmean(r['steps'] for r in runs):.0f} steps)" if runs else ""
                 cells.append(_cell([r[key] for r in runs]) + steps)
             lines.append("| " + " | ".join(cells) + " |")
-    lines += _paired_lines(results, chars)
+    lines += _paired_lines(results, chars,
+                           [("CM-ACC", "XMoCo"), ("CM-ACC", "SMoCo"), ("XMoCo", "SMoCo")])
     lines += _sampler_lines(results, methods, samplers)
-    lines += _time_lines(results, chars, [*methods, *samplers])
+    lines += _time_lines(results, sorted({*chars, *results.get("sampler_chars", [])}),
+                         [*methods, *samplers])
     lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
                                             zip(results["alphabets"], results["alphabet_sizes"])),
               "", "## Departures from the paper's protocol", ""]
@@ -93,12 +95,11 @@ def paired_difference(results, a: str, b: str, l: int, key: str) -> list[float]:
     return [r[key] - rb[r["seed"]] for r in _runs(results, a, l) if r["seed"] in rb]
 
 
-def _paired_lines(results, chars) -> list[str]:
-    pairs = [("CM-ACC", "XMoCo"), ("CM-ACC", "SMoCo"), ("XMoCo", "SMoCo")]
+def _paired_lines(results, chars, pairs, heading="Differences, paired by seed") -> list[str]:
     pairs = [(a, b) for a, b in pairs if a in results["runs"] and b in results["runs"]]
-    if not pairs:
+    if not pairs or not chars:
         return []
-    lines = ["", "## Differences, paired by seed", "",
+    lines = ["", f"## {heading}", "",
              "Probe accuracy of the first minus the second, per seed, mean ± 95% t-interval "
              "over seeds: an interval that excludes 0 is a difference these seeds support.", "",
              "| l | test pairs | " + " | ".join(f"{a} − {b}" for a, b in pairs) + " |",
@@ -137,7 +138,10 @@ def _sampler_lines(results, methods, samplers) -> list[str]:
             key = _floor_key("probe", test)
             lines.append(f"| {l} | {title.lower()} | "
                          + " | ".join(_cell(_runs(results, m, l, key)) for m in cols) + " |")
-    return lines
+    pairs = [(m, "XMoCo") for m in ("CM-ACC", *samplers)] + [("CM-ACC", m) for m in samplers]
+    pairs = list(dict.fromkeys((a, b) for a, b in pairs if a != b))
+    return lines + _paired_lines(results, chars, pairs,
+                                 "Samplers: differences, paired by seed")
 
 
 def _time_lines(results, chars, methods) -> list[str]:
@@ -151,8 +155,11 @@ def _time_lines(results, chars, methods) -> list[str]:
             secs = [r["seconds"] + r.get("probe_seconds", 0) for r in runs]
             cells.append(f"{statistics.fmean(secs):.0f}" if secs else "—")
         lines.append(f"| {l} | " + " | ".join(cells) + " |")
-    lines += ["", f"Whole study: {results['seconds'] / 60:.1f} min of compute (floors and probes "
-              "included, summed over resumed invocations)."]
+    runs = [r for m in methods for l in chars for r in _runs(results, m, l)]
+    in_tables = sum(r["seconds"] + r.get("probe_seconds", 0) for r in runs)
+    lines += ["", f"Whole study: {results['seconds'] / 60:.1f} min of compute (floors, probes "
+              "and any runs set aside included, summed over resumed invocations); the "
+              f"{len(runs)} runs in the tables: {in_tables / 60:.1f} min of training and probing."]
     return lines
 
 
@@ -170,6 +177,12 @@ def _pyplot():
     return plt
 
 
+def _color(method: str) -> str:
+    """One colour per method in every plot of every study (an unknown name: olive)."""
+    names = list(ALL_METHODS)
+    return f"C{names.index(method)}" if method in names else "tab:olive"
+
+
 def _plot(results, png, methods=None):
     plt = _pyplot()
     methods = list(methods or results.get("methods", METHODS))
@@ -183,7 +196,7 @@ def _plot(results, png, methods=None):
             if pts:
                 ax.errorbar([p[0] for p in pts], [p[1][0] for p in pts],
                             yerr=[0 if math.isnan(p[1][1]) else p[1][1] for p in pts],
-                            marker="o", capsize=3, label=m)
+                            marker="o", capsize=3, label=m, color=_color(m))
         fl = [(l, mean_ci(list(results[floor][str(l)].values()))[0]) for l in ls
               if results[floor].get(str(l))]
         ax.plot([p[0] for p in fl], [p[1] for p in fl], color="grey", ls="--", marker=".",
@@ -209,7 +222,8 @@ def _plot_curves(results, png):
     plt = _pyplot()
     methods = [m for m in (*results.get("methods", METHODS), *results.get("samplers", ()))
                if m in results["runs"]]
-    ls = [l for l in results["chars"] if any(_runs(results, m, l) for m in methods)]
+    ls = [l for l in sorted({*results["chars"], *results.get("sampler_chars", [])})
+          if any(_runs(results, m, l) for m in methods)]
     if not ls:
         return
     window = results["config"]["window"]
@@ -224,7 +238,7 @@ def _plot_curves(results, png):
                     continue
                 n = min(len(r[key]) for r in runs)
                 mean = [statistics.fmean(r[key][i] for r in runs) for i in range(n)]
-                ax.plot([window * (i + 1) for i in range(n)], mean, label=m)
+                ax.plot([window * (i + 1) for i in range(n)], mean, label=m, color=_color(m))
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"l = {l}", fontsize=9)
@@ -232,8 +246,9 @@ def _plot_curves(results, png):
                 ax.set_xlabel("step")
     axes[0][0].set_ylabel("loss (window mean, nats)")
     axes[1][0].set_ylabel("pretext accuracy (window mean)")
-    axes[0][0].legend(fontsize=7)
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
+    fig.legend(list(handles.values()), list(handles), loc="upper right", fontsize=7)
     n_seeds = _seeds_run(results, methods, ls)
     fig.suptitle(f"training curves, mean over the {n_seeds} seed(s) run", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
     save_figure(fig, png)
