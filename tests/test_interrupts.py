@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--clips", "96", "--classes", "6"]
 
 
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _signal_when(cmd, ready, sig, tmp_path, timeout=120):
     """Run ``cmd`` in its own process group; once ``ready(stderr so far)`` holds, send ``sig``
     to the whole group (as a terminal's Ctrl-C does); (returncode, stdout, stderr)."""
@@ -24,14 +28,21 @@ def _signal_when(cmd, ready, sig, tmp_path, timeout=120):
                PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     err_file = tmp_path / "stderr.txt"
     with open(err_file, "w") as err:
+        # Ctrl-C's default action restored in the command: a shell starts background jobs with
+        # SIGINT ignored, and a pytest started that way would hand that on to every command
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
-                             text=True, start_new_session=True)
+                             text=True, start_new_session=True, preexec_fn=_default_sigint)
         deadline = time.time() + timeout
         while not ready(err_file.read_text()):
             assert p.poll() is None and time.time() < deadline, err_file.read_text()[-3000:]
             time.sleep(0.2)
-        os.killpg(p.pid, sig)
-        out, _ = p.communicate(timeout=timeout)
+        try:
+            os.killpg(p.pid, sig)
+            out, _ = p.communicate(timeout=timeout)
+        finally:
+            if p.poll() is None:  # never leave a busy process behind a failed test
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
     return p.returncode, out, err_file.read_text()
 
 
