@@ -79,8 +79,7 @@ def report(results: dict, methods=None) -> str:
     lines += _paired_lines(results, chars,
                            [("CM-ACC", "XMoCo"), ("CM-ACC", "SMoCo"), ("XMoCo", "SMoCo")])
     lines += _sampler_lines(results, methods, samplers)
-    lines += _time_lines(results, sorted({*chars, *results.get("sampler_chars", [])}),
-                         [*methods, *samplers])
+    lines += _time_lines(results, chars, [*methods, *samplers])
     lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
                                             zip(results["alphabets"], results["alphabet_sizes"])),
               "", "## Departures from the paper's protocol", ""]
@@ -97,7 +96,7 @@ def paired_difference(results, a: str, b: str, l: int, key: str) -> list[float]:
 
 def _paired_lines(results, chars, pairs, heading="Differences, paired by seed") -> list[str]:
     pairs = [(a, b) for a, b in pairs if a in results["runs"] and b in results["runs"]]
-    if not pairs or not chars:
+    if not pairs:
         return []
     lines = ["", f"## {heading}", "",
              "Probe accuracy of the first minus the second, per seed, mean ± 95% t-interval "
@@ -144,6 +143,11 @@ def _sampler_lines(results, methods, samplers) -> list[str]:
                                  "Samplers: differences, paired by seed")
 
 
+def _run_seconds(run) -> float:
+    """A run's training + probe time (older mi.json files have no probe time)."""
+    return run["seconds"] + run.get("probe_seconds", 0)
+
+
 def _time_lines(results, chars, methods) -> list[str]:
     lines = ["", "## Run time", "",
              "Seconds per run (training + probe), mean over the seeds run.", "",
@@ -152,11 +156,11 @@ def _time_lines(results, chars, methods) -> list[str]:
         cells = []
         for m in methods:
             runs = _runs(results, m, l)
-            secs = [r["seconds"] + r.get("probe_seconds", 0) for r in runs]
+            secs = [_run_seconds(r) for r in runs]
             cells.append(f"{statistics.fmean(secs):.0f}" if secs else "—")
         lines.append(f"| {l} | " + " | ".join(cells) + " |")
     runs = [r for m in methods for l in chars for r in _runs(results, m, l)]
-    in_tables = sum(r["seconds"] + r.get("probe_seconds", 0) for r in runs)
+    in_tables = sum(_run_seconds(r) for r in runs)
     lines += ["", f"Whole study: {results['seconds'] / 60:.1f} min of compute (floors, probes "
               "and any runs set aside included, summed over resumed invocations); the "
               f"{len(runs)} runs in the tables: {in_tables / 60:.1f} min of training and probing."]
@@ -222,8 +226,7 @@ def _plot_curves(results, png):
     plt = _pyplot()
     methods = [m for m in (*results.get("methods", METHODS), *results.get("samplers", ()))
                if m in results["runs"]]
-    ls = [l for l in sorted({*results["chars"], *results.get("sampler_chars", [])})
-          if any(_runs(results, m, l) for m in methods)]
+    ls = [l for l in results["chars"] if any(_runs(results, m, l) for m in methods)]
     if not ls:
         return
     window = results["config"]["window"]
