@@ -9,6 +9,8 @@ Providers (the baselines are imported from kernels/reference.py, never re-implem
                 route, k-means++ steps), replayed from its CUDA graph. GPU; on CPU only under
                 TRITON_INTERPRET=1 and at the smallest size, printed as "interpreter: not a
                 performance figure" and never written to the CSV.
+  lazy          (CPU) the reference's factors + kernels/lazy_kmeanspp.py (what kernels.select
+                runs on CPU tensors: the reference's picks, a few candidates touched per step)
   factored      reference.select (Gram-route factors + reference.kmeanspp, eager PyTorch)
   materialised  reference.grad_embed (uncompressed) + reference.materialise (d*d_h = 65,536
                 floats per candidate) + reference.kmeanspp_dense
@@ -48,9 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (base_parser, benchmark, check_device, env_info, finish,  # noqa: E402
                           interpreter_skips, median_ms, report, sweep)
 from kernels import reference as ref  # noqa: E402
+from kernels.lazy_kmeanspp import kmeanspp_lazy  # noqa: E402
 
 GIB = 2**30
-PROVIDERS = ("triton", "factored", "materialised", "sklearn")
+PROVIDERS = ("triton", "lazy", "factored", "materialised", "sklearn")
 SLOW = ("materialised", "sklearn")
 
 
@@ -79,6 +82,10 @@ def providers(device) -> dict:
     def factored(keys, queries, feats, k, seed):
         return ref.select(keys, queries, feats, k, seed=seed, validate=False)
 
+    def lazy(keys, queries, feats, k, seed):  # what kernels.select runs on CPU tensors
+        alpha, beta, beta_c, sqn = ref.select_factors(keys, queries, feats)
+        return kmeanspp_lazy(alpha, beta, k, seed=seed, validate=False, beta_c=beta_c, sqn=sqn)
+
     def materialised(keys, queries, feats, k, seed):
         a, b = ref.grad_embed(keys, queries, feats)
         return ref.kmeanspp_dense(ref.materialise(a, b), k, seed=seed, validate=False)
@@ -94,6 +101,8 @@ def providers(device) -> dict:
     out = {}
     if device == "cuda" or interpreting():
         out["triton"] = triton_sel
+    if device == "cpu":
+        out["lazy"] = lazy
     out["factored"] = factored
     out["materialised"] = materialised
     if device == "cpu":

@@ -1,13 +1,25 @@
-"""CPU selection, side by side: the PyTorch reference vs a BADGE-style numpy + scipy seeding.
+"""CPU selection, side by side: ours (lazy race and reference) vs BADGE's own seeding.
 
 One dictionary's active selection (gradient-embedding factors + k-means++ seeding of k
-centres) in the `queries` view (alpha = r [N, M], beta = k / tau [N, d]) on the CPU, two
-providers in one run (docs/DESIGN.md §4, issue 13 item 8):
+centres) in the `queries` view (alpha = r [N, M], beta = k / tau [N, d]) on the CPU, the
+providers in one run (docs/DESIGN.md §4):
 
+  lazy        kernels.select on CPU tensors, what training runs: the reference's factors, then
+              the lazy exponential race (kernels/lazy_kmeanspp.py): the reference's picks, with
+              one full pass over the pool (the first centre's distances) and then, per step,
+              one pass over the [N] stale distances and a few candidates brought up to date.
+  lazy-bf16   the same with the factors stored in bf16 (``factors="bf16"``), as on the GPU.
   reference   kernels.reference.select: the factors in torch, then (CPU tensors) the k steps
               in numpy on views of the same memory: per step two matrix-vector products
               (OpenBLAS) for the factored distances, a minimum, and the exponential-race draw
               (an argmax), with uniforms from the counter-based hash, 16 steps at a time.
+  badge-own   only with --badge-src FILE: BADGE's own ``init_centers`` and ``distance``, read
+              from the BADGE authors' ``query_strategies/badge_sampling.py`` (their repository
+              at github.com/JordanAsh/badge; not part of this project) and run as they wrote them,
+              driven as their ``BadgeSampling.query`` drives them: factored distances in
+              float64, D^2 sampling with ``scipy.stats.rv_discrete``, the largest-norm point
+              first; their per-step print goes to /dev/null. The softmax that gives their
+              ``probs`` is computed here in numpy (their ``get_embedding`` runs the network).
   badge       ``badge_select`` below, written for this benchmark in numpy + scipy the way
               BADGE's k-means++ seeding (``init_centers`` in the BADGE authors' code) works, on
               the same factored distances: keep D_n = min over centres of ||g_n - g_c||^2,
@@ -48,7 +60,7 @@ if __package__ in (None, ""):  # run as a script: make kernels/ importable
 
 from kernels import reference as ref  # noqa: E402
 
-PROVIDERS = ("reference", "badge")
+PROVIDERS = ("lazy", "lazy-bf16", "reference", "badge", "badge-own")
 
 
 def make_inputs(n: int, m: int, d: int, seed: int = 0):
@@ -89,8 +101,61 @@ def badge_select(keys: np.ndarray, queries: np.ndarray, k: int, *, tau: float,
     return np.asarray(chosen, dtype=np.int64)
 
 
-def providers(tau: float) -> dict:
+def load_badge(path: str) -> dict:
+    """BADGE's own ``distance`` and ``init_centers`` from their badge_sampling.py, unchanged:
+    the two function definitions are taken from the file's syntax tree (the module itself
+    imports their networks) and defined with numpy and scipy.stats, as the file imports them."""
+    import ast
+
+    from scipy import stats
+
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+           and n.name in ("distance", "init_centers")]
+    if len(fns) != 2:
+        raise SystemExit(f"--badge-src {path}: no distance / init_centers functions in it; "
+                         "pass the BADGE authors' query_strategies/badge_sampling.py")
+    ns = {"np": np, "stats": stats}
+    exec(compile(ast.Module(body=fns, type_ignores=[]), path, "exec"), ns)
+    return ns
+
+
+def badge_own(ns: dict, keys: np.ndarray, queries: np.ndarray, k: int, tau: float):
+    """k indices by BADGE's ``init_centers`` loop, driven as ``BadgeSampling.query`` drives it
+    (its lines from ``m = ...`` on), with embs = keys / tau and probs = softmax(keys q^T / tau):
+    the `queries` view's factors (their probs - e_max is -r, the same distances)."""
+    import contextlib
+    import os
+
+    s = keys @ queries.T / tau  # [N, M]
+    probs = np.exp(s - s.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    embs = keys / tau  # [N, d]
+    m = len(embs)
+    mu = D2 = None
+    chosen, chosen_list = set(), []
+    emb_norms_square = np.sum(embs ** 2, axis=-1)
+    max_inds = np.argmax(probs, axis=-1)
+    probs = -1 * probs
+    probs[np.arange(m), max_inds] += 1
+    prob_norms_square = np.sum(probs ** 2, axis=-1)
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        for _ in range(k):
+            chosen, chosen_list, mu, D2 = ns["init_centers"](
+                (probs, prob_norms_square), (embs, emb_norms_square), chosen, chosen_list, mu, D2)
+    return np.asarray(chosen_list, dtype=np.int64)
+
+
+def providers(tau: float, badge_src: str | None = None) -> dict:
     """name -> fn(keys, queries, k, seed) -> k indices, on CPU tensors."""
+    import kernels
+
+    def lazy(keys, queries, k, seed):
+        return kernels.select(keys, queries, None, k, seed=seed, tau=tau, view="queries")
+
+    def lazy_bf16(keys, queries, k, seed):
+        return kernels.select(keys, queries, None, k, seed=seed, tau=tau, view="queries",
+                              factors="bf16")
 
     def reference(keys, queries, k, seed):
         return ref.select(keys, queries, None, k, seed=seed, tau=tau, view="queries")
@@ -98,7 +163,12 @@ def providers(tau: float) -> dict:
     def badge(keys, queries, k, seed):
         return badge_select(keys.numpy(), queries.numpy(), k, tau=tau, seed=seed)
 
-    return dict(reference=reference, badge=badge)
+    out = {"lazy": lazy, "lazy-bf16": lazy_bf16, "reference": reference, "badge": badge}
+    if badge_src:
+        ns = load_badge(badge_src)
+        out["badge-own"] = lambda keys, queries, k, seed: badge_own(
+            ns, keys.numpy(), queries.numpy(), k, tau)
+    return out
 
 
 def median_s(fn, repeats: int) -> float:
@@ -134,31 +204,40 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(sizes, repeats=5, m=128, d=128, k=128, tau=0.7, seed=0) -> list[dict]:
-    """Rows {N, provider, s, threads}, plus badge_over_reference on the reference rows."""
-    fns = providers(tau)
+def run(sizes, repeats=5, m=128, d=128, k=128, tau=0.7, seed=0, badge_src=None,
+        only=None) -> list[dict]:
+    """Rows {N, provider, s, threads, picks_as_reference}, plus on each row the time of each
+    BADGE provider over this one (``over``: {badge provider: ratio})."""
+    fns = providers(tau, badge_src)
+    fns = {name: fn for name, fn in fns.items() if not only or name in only}
     rows = []
     for n in sizes:
         keys, queries = make_inputs(n, m, d, seed=seed)
         at = {}
+        want = ref.select(keys, queries, None, k, seed=seed, tau=tau, view="queries")
         for name, fn in fns.items():
-            idx = fn(keys, queries, k, seed)
-            if len(set(np.asarray(idx).tolist())) != k:
+            idx = torch.as_tensor(np.asarray(fn(keys, queries, k, seed)))
+            if len(set(idx.tolist())) != k:
                 raise RuntimeError(f"{name} at N={n} did not return {k} distinct indices")
             at[name] = median_s(lambda: fn(keys, queries, k, seed), repeats)
-            rows.append(dict(N=n, provider=name, s=at[name], threads=threads()))
+            same = None if name.startswith("badge") else torch.equal(idx, want)  # same seed
+            rows.append(dict(N=n, provider=name, s=at[name], threads=threads(),
+                             picks_as_reference=same))
             print(f"{name:>10} N={n:>7}: {at[name] * 1e3:9.1f} ms", flush=True)
-        rows[-len(fns)]["badge_over_reference"] = at["badge"] / at["reference"]
+        for r in rows[-len(fns):]:
+            r["over"] = {b: at[b] / r["s"] for b in ("badge-own", "badge") if b in at}
     return rows
 
 
 def markdown(rows) -> str:
-    lines = ["| provider | N | median time per selection | badge / reference | threads |",
-             "|---|---|---|---|---|"]
+    lines = ["| provider | N | median time per selection | badge-own / this | badge-style / this "
+             "| picks = reference's | threads |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = r.get("badge_over_reference")
-        lines.append(f"| {r['provider']} | {r['N']:,} | {r['s'] * 1e3:.0f} ms | "
-                     f"{'' if ratio is None else f'**{ratio:.2f}x**'} | {r['threads']} |")
+        over = r.get("over", {})
+        ratio = [f"**{over[b]:.1f}x**" if b in over else "" for b in ("badge-own", "badge")]
+        same = {None: "", True: "yes", False: "no"}[r["picks_as_reference"]]
+        lines.append(f"| {r['provider']} | {r['N']:,} | {r['s'] * 1e3:.0f} ms | {ratio[0]} | "
+                     f"{ratio[1]} | {same} | {r['threads']} |")
     return "\n".join(lines)
 
 
@@ -166,18 +245,27 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=[9600, 38400],
-                   help="candidate pool sizes N")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per point (median)")
-    p.add_argument("--k", type=int, default=128, help="centres per selection (M)")
-    p.add_argument("--m", type=int, default=128, help="queries in the batch (M)")
-    p.add_argument("--d", type=int, default=128, help="key dimension")
-    p.add_argument("--tau", type=float, default=0.7)
+                   help="candidate pool sizes N (default: 9600 38400)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per point (median; "
+                   "default 5)")
+    p.add_argument("--k", type=int, default=128, help="centres per selection (default 128)")
+    p.add_argument("--m", type=int, default=128, help="queries in the batch, M (default 128)")
+    p.add_argument("--d", type=int, default=128, help="key dimension (default 128)")
+    p.add_argument("--tau", type=float, default=0.7, help="default 0.7")
+    p.add_argument("--badge-src", metavar="FILE",
+                   help="the BADGE authors' query_strategies/badge_sampling.py: adds the "
+                        "badge-own provider (their init_centers as written)")
+    p.add_argument("--providers", nargs="+", choices=PROVIDERS,
+                   help="run only these (default: all; badge-own needs --badge-src)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.k < 1 or min(args.sizes) < args.k:
         p.error("need --repeats >= 1, --k >= 1 and every size >= k")
+    if args.badge_src and not Path(args.badge_src).is_file():
+        p.error(f"--badge-src {args.badge_src}: no such file")
     print(f"device: CPU, {torch.get_num_threads()} threads, {cpu_model()}; torch "
           f"{torch.__version__}, numpy {np.__version__}; {datetime.date.today().isoformat()}")
-    rows = run(args.sizes, args.repeats, m=args.m, d=args.d, k=args.k, tau=args.tau)
+    rows = run(args.sizes, args.repeats, m=args.m, d=args.d, k=args.k, tau=args.tau,
+               badge_src=args.badge_src, only=args.providers)
     print(markdown(rows))
     return rows
 

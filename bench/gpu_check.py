@@ -15,7 +15,10 @@ Parts (``--part`` runs only those named; each part runs in a process of its own)
    clips);
 4. ``train``: a short ``train.py`` run with AMP (bf16) + channels-last on the GPU: clips/s, step
    time, total and visible selection time (the selection overlaps the key encoders on a side
-   stream).
+   stream);
+5. ``step``: bench/bench_step.py on the GPU: a training step of the MI nets (l = 1, 3, 8;
+   N = 60 M and 300 M) and of the tiny preset, random against active on the same model, split
+   into data, forward/backward and selection (total and visible).
 
 A dated section (device, versions, commit) is appended to bench/RESULTS.md before the first part
 starts, and each part's figures as soon as that part ends, so a part that fails, hangs past its
@@ -152,6 +155,13 @@ def train_run(args) -> str:
             f"MFU {last['mfu']}")
 
 
+def step_table(args) -> str:
+    from bench.bench_step import markdown, run
+
+    rows = run(rows=("mi", "tiny"), steps=5 if args.quick else 20, device="cuda")
+    return "Command: `python bench/bench_step.py --device cuda --rows mi tiny`\n\n" + markdown(rows)
+
+
 def versions() -> str:
     parts = [f"torch {torch.__version__}", f"CUDA {torch.version.cuda}"]
     for mod in ("triton", "torchaudio", "torchvision", "nvidia.dali"):
@@ -198,6 +208,7 @@ PARTS = {  # name: (title, function(args) -> Markdown of its figures; PartFailed
     "sweep": ("selection sweep", sweep),
     "dali": ("DALI GPU decode + augment", dali_throughput),
     "train": ("train.py, AMP bf16 + channels-last", train_run),
+    "step": ("training step, random vs active (bench/bench_step.py)", step_table),
 }
 REPORT_ENV = "GPU_CHECK_REPORT"  # where a part's process writes its figures (Markdown)
 

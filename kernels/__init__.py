@@ -2,8 +2,12 @@
 
 Gradient embedding (docs/DESIGN.md §1 steps 1-3) and k-means++ seeding (steps 4-5):
 
-    CMACC_KERNELS=auto       (default) Triton for CUDA tensors, the PyTorch reference otherwise
-    CMACC_KERNELS=reference  always the PyTorch reference (kernels/reference.py)
+    CMACC_KERNELS=auto       (default) Triton for CUDA tensors; on CPU tensors the reference's
+                             factors with the lazy k-means++ race (kernels/lazy_kmeanspp.py:
+                             the reference's picks, a few candidates touched per step); the
+                             PyTorch reference on other devices
+    CMACC_KERNELS=reference  always the PyTorch reference (kernels/reference.py): on CPU its
+                             k-means++ passes over the whole pool at every step
     CMACC_KERNELS=triton     always Triton (on CPU tensors only under TRITON_INTERPRET=1)
 
 The Triton ops live in kernels/triton_grad_embed.py and kernels/triton_kmeanspp.py and are
@@ -23,6 +27,7 @@ import os
 import torch
 
 from . import reference
+from .lazy_kmeanspp import kmeanspp_lazy
 
 __all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast"]
 
@@ -89,6 +94,14 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton"
 
 
+def _seeding(t: torch.Tensor):
+    """The k-means++ seeding of the non-Triton path for tensors like ``t``: the lazy race on
+    CPU tensors (unless CMACC_KERNELS=reference asks for the reference itself), else the
+    reference's."""
+    eager = os.environ.get("CMACC_KERNELS", "auto").strip().lower() == "reference"
+    return kmeanspp_lazy if t.device.type == "cpu" and not eager else reference.kmeanspp
+
+
 def without_autocast(op):
     """The selection computes in fp32 whatever the caller's autocast says: under the trainer's
     bf16/fp16 autocast the reference's matmuls (logits, the Gram matrix, distances) would
@@ -121,8 +134,8 @@ def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True, beta_c=None, 
     if backend_for(alpha) == "triton":
         return _triton[1].kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude,
                                           validate=validate, beta_c=beta_c, sqn=sqn)
-    return reference.kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
-                              beta_c=beta_c, sqn=sqn)
+    return _seeding(alpha)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                           beta_c=beta_c, sqn=sqn)
 
 
 @without_autocast
@@ -136,7 +149,8 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
     per pool shape (kernels/triton_select.py); without ``n`` the keys are copied into a plan.
     ``precision`` (tl.dot: ieee | tf32x3 | tf32), ``factors`` (fp32 | bf16 storage of the
     factors) and ``variant`` (steps | persistent k-means++) apply to the Triton path; the
-    reference computes in fp32 (bf16 factors: rounded as the kernel stores them)."""
+    reference computes in fp32 (bf16 factors: rounded as the kernel stores them); on CPU
+    tensors its k-means++ is the lazy race (``_seeding``)."""
     if backend_for(keys) == "triton":
         return _triton[2].select_triton(keys, queries, feats, k, seed=seed, n=n, tau=tau,
                                         view=view, exclude=exclude, validate=validate,
@@ -144,12 +158,12 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
     if n is not None:
         keys = keys[:n]
         exclude = None if exclude is None else exclude[:n]
-    if factors == "fp32":
-        return reference.select(keys, queries, feats, k, seed=seed, tau=tau, view=view,
-                                exclude=exclude, validate=validate)
-    if factors != "bf16":
+    if factors not in ("fp32", "bf16"):
         raise ValueError(f"select: factors={factors!r} is not one of ('fp32', 'bf16')")
-    alpha, beta, beta_c, _ = reference.select_factors(keys, queries, feats, tau=tau, view=view)
-    bf = torch.bfloat16  # stored as the kernel stores them; |g|^2 from the rounded values
-    return reference.kmeanspp(alpha.to(bf), beta.to(bf), k, seed=seed, exclude=exclude,
-                              validate=validate, beta_c=None if beta_c is None else beta_c.to(bf))
+    alpha, beta, beta_c, sqn = reference.select_factors(keys, queries, feats, tau=tau, view=view)
+    if factors == "bf16":  # stored as the kernel stores them; |g|^2 from the rounded values
+        bf = torch.bfloat16
+        alpha, beta, sqn = alpha.to(bf), beta.to(bf), None
+        beta_c = None if beta_c is None else beta_c.to(bf)
+    return _seeding(keys)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                          beta_c=beta_c, sqn=sqn)

@@ -1,0 +1,145 @@
+"""k-means++ seeding on the CPU that touches a few candidates per step: the lazy exponential race.
+
+The same law, the same uniforms and the same picks as ``reference.kmeanspp`` (docs/DESIGN.md
+§1 step 5), without a pass over the pool's factors at every step.
+
+The reference draws centre t as the argmax over candidates of the race score
+
+    score_n = D_n / E_n   (D_n > 0)      -E_n   (D_n == 0)      -inf   (chosen / unavailable)
+
+with D_n = min over the centres so far of ||g_n - g_c||^2 and E_n = -log U(seed, t, n), and it
+brings every D_n up to date after each draw: one pass over all N candidates' factors
+(N x (a + b) floats: 39 MB at N = 38,400 and a = b = 128) per step, 127 passes per selection.
+That pass is the whole cost on a CPU: the bytes do not fit its caches, so each step waits on
+memory.
+
+D_n only ever decreases as centres are added. So a D_n that has not been updated since centre s
+(a *stale* D_n, with ``seen_n = s`` centres applied) is an upper bound of the true D_n, and
+``D_stale_n / E_n`` bounds the true score from above (for D_n == 0 the bound is 0 > -E_n).
+Step t therefore
+
+1. computes the bounds of all candidates from the stale D (one division over an [N] vector:
+   150 KB, cache-resident; a correctly rounded division is monotone in its numerator, so the
+   fp32 bound is >= the fp32 true score exactly),
+2. brings the candidate with the largest bound up to date (distances to the centres it has
+   not seen) and takes its true score s,
+3. brings every candidate whose bound reaches s up to date, and draws the argmax of their true
+   scores (the lowest index among equal scores, as the reference's argmax).
+
+No candidate left stale can beat the drawn one: its true score is at most its bound, which is
+below s <= the drawn score. The draw is the reference's draw, exactly.
+
+How many candidates step 3 touches: the race's winning score is about sum_n D_n (the largest of
+N scores whose tails sum to one), and a stale candidate's bound exceeds it with probability
+about D_stale_n / sum D; so step 3 touches about sum D_stale / sum D candidates — a handful,
+because D falls slowly once the first centres are in. The first centre's distances are the
+one full pass (every D_n is +inf before it).
+
+The distances are computed with the reference's formula in fp32,
+max(sqn_n + sqn_c - 2 (a_n . a_c)(b_n . bc_c), 0), but the dot products of an update come from
+a small matrix product instead of one matrix-vector product per centre: their rounding may
+differ in the last bit, so a pick can differ from the reference's only where two race scores
+tie to within that rounding (tests check equal picks over many draws). Min-updates applied
+twice are harmless (a minimum), so an update covers every centre from the smallest ``seen_n``
+of the candidates it brings up to date.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import reference as ref
+
+__all__ = ["kmeanspp_lazy"]
+
+_BLOCK = 4096  # candidates updated together (temporaries of _BLOCK x centres floats)
+
+
+def kmeanspp_lazy(
+    alpha: torch.Tensor,  # [N, a]
+    beta: torch.Tensor,  # [N, b]
+    k: int,
+    *,
+    seed: int,
+    exclude: torch.Tensor | None = None,  # bool [N]
+    validate: bool = True,
+    beta_c: torch.Tensor | None = None,  # [N, b] centre-side factor (head view's Gram route)
+    sqn: torch.Tensor | None = None,  # [N] |g_n|^2, if the caller has it
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """``reference.kmeanspp`` for CPU tensors (same arguments, same picks, long [k]), by the
+    lazy exponential race (module docstring). ``stats``, if given, receives ``touched``: the
+    candidates whose bound reached the drawn score after the first full pass, summed over the
+    steps."""
+    ref._check_factors(alpha, beta, beta_c, sqn)
+    if alpha.device.type != "cpu":
+        raise ValueError(f"kmeanspp_lazy: CPU tensors only, got {alpha.device}")
+    a = alpha.float().numpy()  # [N, a] (a view when already fp32)
+    b = beta.float().numpy()  # [N, b]
+    bc = b if beta_c is None else beta_c.float().numpy()  # [N, b]
+    sqn_t = ref._sqnorm(alpha.float(), beta.float(), torch.from_numpy(bc)) if sqn is None \
+        else sqn.float()  # [N]
+    unavailable = ref._unavailable(sqn_t, exclude, k, validate).numpy()  # [N] bool
+    sq = sqn_t.numpy()
+    n = sq.shape[0]
+    inf = np.float32(np.inf)
+
+    dmin = np.where(unavailable, -inf, inf).astype(np.float32)  # [N] stale min distances
+    seen = np.zeros(n, np.int32)  # [N] centres applied to dmin[n]
+    ac = np.empty((k, a.shape[1]), np.float32)  # [k, a] the centres' alpha rows
+    bcc = np.empty((k, b.shape[1]), np.float32)  # [k, b] and their beta_c rows
+    sqc = np.empty(k, np.float32)  # [k]
+    picks = np.empty(k, np.int64)
+    touched = 0
+
+    def bring_up_to_date(rows, t):
+        """dmin[rows] = min over centres 0..t-1. Rows already up to date, chosen or
+        unavailable (-inf) or at D = 0 (it stays 0) need nothing; the others are updated from
+        the smallest ``seen`` among them, in blocks of _BLOCK rows (bounded temporaries)."""
+        rows = rows[(seen[rows] < t) & (dmin[rows] > 0)]
+        for i in range(0, rows.size, _BLOCK):
+            r = rows[i:i + _BLOCK]
+            s0 = int(seen[r].min())
+            cross = (a[r] @ ac[s0:t].T) * (b[r] @ bcc[s0:t].T)  # [R, t - s0]
+            d = sq[r, None] + sqc[None, s0:t]
+            d -= 2.0 * cross  # 2x is exact: rounds as sqn_n + sqn_c - 2 cross
+            np.maximum(d, 0.0, out=d)
+            # fmin: a NaN distance never replaces D
+            dmin[r] = np.fmin(dmin[r], d.min(axis=1))
+            seen[r] = t
+
+    def true_scores(rows, e):
+        d = dmin[rows]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(d == 0, -e[rows], d / e[rows])
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        for step in range(k):
+            j = step % ref._RNG_STEPS
+            if j == 0:
+                neg_e = np.log(ref._uniform_steps_np(seed, step, min(ref._RNG_STEPS, k - step), n))
+                e = -neg_e  # [S, N]  E > 0
+            if step == 0:  # a uniform draw among the available candidates
+                c = int(np.where(dmin > 0, neg_e[0], dmin).argmax())
+            elif step == 1:  # the one full pass: every D is +inf before the first centre
+                d = sq + sq[picks[0]]
+                d -= 2.0 * ((a @ a[picks[0]]) * (b @ bc[picks[0]]))
+                np.fmin(dmin, np.maximum(d, 0.0, out=d), out=dmin)
+                seen[:] = 1
+                c = int(np.where(dmin == 0, neg_e[j], dmin / e[j]).argmax())
+            else:
+                bound = dmin / e[j]  # [N]  >= the true score (0 where D == 0 > -E)
+                top = int(bound.argmax())
+                bring_up_to_date(np.array([top]), step)
+                s = float(true_scores(np.array([top]), e[j])[0])
+                rows = np.flatnonzero(bound >= s)  # ascending: the first index on ties
+                bring_up_to_date(rows, step)
+                touched += rows.size
+                c = int(rows[true_scores(rows, e[j]).argmax()])
+            picks[step] = c
+            ac[step], bcc[step], sqc[step] = a[c], bc[c], sq[c]
+            dmin[c] = -inf
+    if stats is not None:
+        stats["touched"] = touched
+    return torch.from_numpy(picks)
