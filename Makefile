@@ -24,6 +24,7 @@ bench: install
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,max,rounds
 	$(PY) bench/bench_grad_embed.py --sizes 4096 38400
 	$(PY) bench/bench_kmeanspp.py --sizes 4096 38400
+	$(PY) bench/bench_step.py
 
 # CUDA machines: compiled kernel tests, selection sweep, DALI GPU decode, a short GPU training
 # run, each in its own process; each part's figures are appended to bench/RESULTS.md as it ends

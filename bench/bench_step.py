@@ -13,7 +13,8 @@ backward, optimiser update) with the model's own section timer (cmacc/metrics.py
     step          the whole step, data included
 
 Both samplers of a setting start from the same weights (same seed) and the same candidate pool,
-filled before the timed steps so that the active sampler selects from the first of them:
+filled once before the timed steps (and copied into the second model) so that the active
+sampler selects from the first of them:
 ``encode`` pools are the key encoders' outputs of real batches (as a rolling pool holds
 them), ``random`` pools are random unit keys (the `paper` preset on a CPU, where encoding
 300 M clips would take many minutes; the selection's cost does not depend on the keys beyond
@@ -42,6 +43,7 @@ the same rows run with CUDA events (``make gpu-check`` runs them).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import sys
@@ -66,6 +68,7 @@ SECTIONS = ("data", "select", "visible", "fwd_bwd", "step")
 class Setting:
     """A model, its optimiser and a batch source for one sampler, ready to time."""
     name: str
+    sampler: str
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     next_batch: object  # () -> (video, audio, index)
@@ -86,7 +89,7 @@ def glyph_root(omniglot: str | None, tmp: Path) -> Path:
 
 
 def mi_setting(sampler: str, l: int, pool_mult: int, glyphs, seed=0, device="cpu",
-               **sizes) -> Setting:
+               fill=True, **sizes) -> Setting:
     """``sizes``: MIConfig fields to change (e.g. batch, width) beside the pool."""
     from cmacc.apps.mi.data import TRAIN_DRAWERS, MultiOmniglotPairs
     from cmacc.apps.mi.train import MIConfig, build_model
@@ -104,11 +107,13 @@ def mi_setting(sampler: str, l: int, pool_mult: int, glyphs, seed=0, device="cpu
         return x, y, idx
 
     n = cfg.pool_mult * cfg.batch
-    _fill_by_encoding(model, next_batch, n, device)
-    return Setting(f"MI l={l} N={pool_mult}M", model, opt, next_batch, "encode", n, cfg.batch)
+    if fill:
+        _fill_by_encoding(model, next_batch, n, device)
+    return Setting(f"MI l={l} N={pool_mult}M", sampler, model, opt, next_batch, "encode", n, cfg.batch)
 
 
-def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="cpu") -> Setting:
+def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="cpu",
+                  fill=True) -> Setting:
     from cmacc.config import PRESETS
     from cmacc.data import train_loader
     from cmacc.model import CMACC
@@ -142,14 +147,13 @@ def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="
         return video, b["audio"], b["index"]
 
     n = sel_cfg.pool_size
-    if preset == "paper":
+    how = "random" if preset == "paper" else "encode"
+    if fill and how == "random":
         _fill_random(model, n)
-        how = "random"
-    else:
+    elif fill:
         _fill_by_encoding(model, next_batch, n, device)
-        how = "encode"
     name = f"video {preset}" + (f" M={model_cfg.batch_size}" if batch else "")
-    return Setting(name, model, opt, next_batch, how, n, model_cfg.batch_size)
+    return Setting(name, sampler, model, opt, next_batch, how, n, model_cfg.batch_size)
 
 
 @torch.no_grad()
@@ -219,6 +223,19 @@ def time_steps(s: Setting, steps: int, warmup: int, device: str = "cpu") -> dict
     return out
 
 
+def settings_pair(make):
+    """The random setting, then the active one (built when the first is done with: one model
+    in memory at a time), started from the random one's state before its timed steps: the same
+    weights, BN statistics, dictionaries and filled pools. ``make(sampler, fill)``."""
+    first = make("random", True)
+    state = copy.deepcopy(first.model.state_dict())  # tensors and the pools' fill counts
+    yield first
+    del first
+    second = make("active", False)
+    second.model.load_state_dict(state)
+    yield second
+
+
 def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, omniglot=None,
         paper_batch=4, paper_steps=3, device="cpu", log=print) -> list[dict]:
     """One dict per setting and sampler: the setting, sampler, pool, the SECTIONS in ms, and
@@ -227,16 +244,14 @@ def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, om
 
     def both(make, n_steps):
         pair = {}
-        for sampler in ("random", "active"):
-            s = make(sampler)
+        for s in settings_pair(make):
             t = time_steps(s, n_steps, warmup, device)
-            pair[sampler] = t
-            row = dict(setting=s.name, sampler=sampler, M=s.m, N=s.n_pool, pool=s.pool, **t)
-            if sampler == "active":
+            pair[s.sampler] = t
+            row = dict(setting=s.name, sampler=s.sampler, M=s.m, N=s.n_pool, pool=s.pool, **t)
+            if s.sampler == "active":
                 row["ratio"] = t["step"] / pair["random"]["step"]
             out.append(row)
             log(_line(row))
-            del s
 
     with tempfile.TemporaryDirectory() as tmp:
         if "mi" in rows:
@@ -245,12 +260,14 @@ def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, om
             glyphs = Glyphs(glyph_root(omniglot, Path(tmp)))
             for l in chars:
                 for pm in pool_mults:
-                    both(lambda smp: mi_setting(smp, l, pm, glyphs, device=device), steps)
+                    both(lambda smp, fill: mi_setting(smp, l, pm, glyphs, device=device,
+                                                      fill=fill), steps)
         if "tiny" in rows:
-            both(lambda smp: video_setting(smp, "tiny", None, device=device), steps)
+            both(lambda smp, fill: video_setting(smp, "tiny", None, device=device, fill=fill),
+                 steps)
         if "paper" in rows:
-            both(lambda smp: video_setting(smp, "paper", paper_batch, device=device),
-                 paper_steps)
+            both(lambda smp, fill: video_setting(smp, "paper", paper_batch, device=device,
+                                                 fill=fill), paper_steps)
     return out
 
 

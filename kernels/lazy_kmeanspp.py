@@ -18,9 +18,10 @@ D_n only ever decreases as centres are added. So a D_n that has not been updated
 ``D_stale_n / E_n`` bounds the true score from above (for D_n == 0 the bound is 0 > -E_n).
 Step t therefore
 
-1. computes the bounds of all candidates from the stale D (one division over an [N] vector:
-   150 KB, cache-resident; a correctly rounded division is monotone in its numerator, so the
-   fp32 bound is >= the fp32 true score exactly),
+1. computes the bounds of all candidates from the stale D, ``D_stale_n / (1 - U_n)`` (one
+   division over an [N] vector, 150 KB, cache-resident; E = -log U >= 1 - U, so no logarithm
+   over all N is needed, and correctly rounded divisions keep the fp32 bound >= the fp32 true
+   score),
 2. brings the candidate with the largest bound up to date (distances to the centres it has
    not seen) and takes its true score s,
 3. brings every candidate whose bound reaches s up to date, and draws the argmax of their true
@@ -78,11 +79,15 @@ def kmeanspp_lazy(
     a = alpha.float().numpy()  # [N, a] (a view when already fp32)
     b = beta.float().numpy()  # [N, b]
     bc = b if beta_c is None else beta_c.float().numpy()  # [N, b]
-    sqn_t = ref._sqnorm(alpha.float(), beta.float(), torch.from_numpy(bc)) if sqn is None \
-        else sqn.float()  # [N]
-    unavailable = ref._unavailable(sqn_t, exclude, k, validate).numpy()  # [N] bool
-    sq = sqn_t.numpy()
+    sq = (ref._sqnorm(alpha.float(), beta.float(), torch.from_numpy(bc)) if sqn is None
+          else sqn.float()).numpy()  # [N]
     n = sq.shape[0]
+    # in numpy: a torch op here would wait on torch's thread pool, woken beside BLAS threads
+    unavailable = ~np.isfinite(sq)  # [N] bool
+    ref._check_kmeanspp_args(n, k, exclude, "cpu", validate,
+                             nonfinite=torch.from_numpy(unavailable))
+    if exclude is not None:
+        unavailable |= exclude.numpy().astype(bool, copy=False)
     inf = np.float32(np.inf)
 
     dmin = np.where(unavailable, -inf, inf).astype(np.float32)  # [N] stale min distances
@@ -109,34 +114,43 @@ def kmeanspp_lazy(
             dmin[r] = np.fmin(dmin[r], d.min(axis=1))
             seen[r] = t
 
-    def true_scores(rows, e):
-        d = dmin[rows]
+    def true_scores(rows, u):
+        """The reference's race scores of ``rows`` (E = -log U, as it computes it)."""
+        d, neg_e = dmin[rows], np.log(u[rows])
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(d == 0, -e[rows], d / e[rows])
+            return np.where(d == 0, neg_e, d / -neg_e)
 
-    with np.errstate(invalid="ignore", over="ignore"):
+    # One BLAS thread: each step's products are tiny, and an idle BLAS thread left spinning
+    # slows torch's next parallel op on the same cores (the training step that follows).
+    with ref._blas_threads(0, "cpu"), np.errstate(invalid="ignore", over="ignore"):
         for step in range(k):
             j = step % ref._RNG_STEPS
             if j == 0:
-                neg_e = np.log(ref._uniform_steps_np(seed, step, min(ref._RNG_STEPS, k - step), n))
-                e = -neg_e  # [S, N]  E > 0
+                # the hash in torch (its threads; numpy's passes are single-threaded): the same
+                # bits as the reference's numpy uniforms (tests/test_reference.py)
+                u = ref.uniform_hash_steps(seed, step, min(ref._RNG_STEPS, k - step), n).numpy()
+                one_minus_u = np.float32(1.0) - u  # exact: U is a multiple of 2^-24 in (0, 1)
             if step == 0:  # a uniform draw among the available candidates
-                c = int(np.where(dmin > 0, neg_e[0], dmin).argmax())
+                c = int(np.where(dmin > 0, np.log(u[0]), dmin).argmax())
             elif step == 1:  # the one full pass: every D is +inf before the first centre
                 d = sq + sq[picks[0]]
                 d -= 2.0 * ((a @ a[picks[0]]) * (b @ bc[picks[0]]))
                 np.fmin(dmin, np.maximum(d, 0.0, out=d), out=dmin)
                 seen[:] = 1
-                c = int(np.where(dmin == 0, neg_e[j], dmin / e[j]).argmax())
+                c = int(true_scores(slice(None), u[j]).argmax())
             else:
-                bound = dmin / e[j]  # [N]  >= the true score (0 where D == 0 > -E)
+                # E = -log U >= 1 - U, so D_stale / (1 - U) >= D_stale / E >= the true score
+                # (0 where D == 0 > -E): a bound without a logarithm over all N
+                bound = dmin / one_minus_u[j]  # [N]
                 top = int(bound.argmax())
                 bring_up_to_date(np.array([top]), step)
-                s = float(true_scores(np.array([top]), e[j])[0])
-                rows = np.flatnonzero(bound >= s)  # ascending: the first index on ties
+                s = float(true_scores(np.array([top]), u[j])[0])
+                # ascending: the first index on ties; the slack (2^-20 of s) only adds rows,
+                # against a logarithm that rounds below 1 - U
+                rows = np.flatnonzero(bound >= s - abs(s) * 2.0**-20)
                 bring_up_to_date(rows, step)
                 touched += rows.size
-                c = int(rows[true_scores(rows, e[j]).argmax()])
+                c = int(rows[true_scores(rows, u[j]).argmax()])
             picks[step] = c
             ac[step], bcc[step], sqc[step] = a[c], bc[c], sq[c]
             dmin[c] = -inf

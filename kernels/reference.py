@@ -286,15 +286,18 @@ def select_factors(
     _check_grad_embed_args(keys, queries, feats, tau, view)
     k = keys.float()  # [N, d]
     r = _residual(k, queries.float(), tau)  # [N, M]
+    # (in place where the values are the same: each fresh [N, M] buffer of a large pool costs
+    # its page faults again on a CPU)
     if view == "queries":
         alpha, beta, beta_c = r, k / tau, None  # [N, M], [N, d]
     else:
         f = feats.float()  # [M, d_h]
         alpha = k
         if f.shape[1] <= f.shape[0]:
-            beta, beta_c = (r @ f) / tau, None  # [N, d_h]
+            beta, beta_c = (r @ f).div_(tau), None  # [N, d_h]
         else:
-            beta, beta_c = r / tau, (r @ (f @ f.t())) / tau  # [N, M], [N, M]
+            beta_c = (r @ (f @ f.t())).div_(tau)  # [N, M]
+            beta = r.div_(tau)  # [N, M]
     sqn = _sqnorm(alpha, beta, beta if beta_c is None else beta_c)  # [N]
     return alpha, beta, beta_c, sqn
 
