@@ -4,8 +4,9 @@ Gradient embedding (docs/DESIGN.md §1 steps 1-3) and k-means++ seeding (steps 4
 
     CMACC_KERNELS=auto       (default) Triton for CUDA tensors; on CPU tensors the reference's
                              factors with the lazy k-means++ race (kernels/lazy_kmeanspp.py:
-                             the reference's picks, a few candidates touched per step); the
-                             PyTorch reference on other devices
+                             the reference's picks, a few candidates touched per step) for
+                             pools of >= _LAZY_FROM_FLOATS factor floats, the reference's loop
+                             for smaller ones; the PyTorch reference on other devices
     CMACC_KERNELS=reference  always the PyTorch reference (kernels/reference.py): on CPU its
                              k-means++ passes over the whole pool at every step
     CMACC_KERNELS=triton     always Triton (on CPU tensors only under TRITON_INTERPRET=1)
@@ -94,12 +95,22 @@ def backend_for(t: torch.Tensor) -> str:
     return "triton"
 
 
-def _seeding(t: torch.Tensor):
-    """The k-means++ seeding of the non-Triton path for tensors like ``t``: the lazy race on
-    CPU tensors (unless CMACC_KERNELS=reference asks for the reference itself), else the
-    reference's."""
+# Pools below this many factor floats (N x (a + b)) run the reference's eager loop on a CPU as
+# well: its per-step pass is then cache-resident and cheaper than the lazy race's fixed cost of
+# about 0.1 ms a step. Measured on 2 cores, M = 128, a + b = 256 (bench/RESULTS.md, "CPU
+# selection"): N = 1,000: eager 13 ms, lazy 22 ms; 4,000: 37 vs 32 ms; 8,000: 71 vs 43 ms.
+# Both draw the same picks.
+_LAZY_FROM_FLOATS = 1 << 20
+
+
+def _seeding(alpha: torch.Tensor, beta: torch.Tensor):
+    """The k-means++ seeding of the non-Triton path for these factors: the lazy race on CPU
+    tensors of a pool of at least _LAZY_FROM_FLOATS (unless CMACC_KERNELS=reference asks for
+    the reference itself), else the reference's."""
     eager = os.environ.get("CMACC_KERNELS", "auto").strip().lower() == "reference"
-    return kmeanspp_lazy if t.device.type == "cpu" and not eager else reference.kmeanspp
+    large = alpha.shape[0] * (alpha.shape[1] + beta.shape[1]) >= _LAZY_FROM_FLOATS
+    return (kmeanspp_lazy if alpha.device.type == "cpu" and large and not eager
+            else reference.kmeanspp)
 
 
 def without_autocast(op):
@@ -134,8 +145,8 @@ def kmeanspp(alpha, beta, k, *, seed, exclude=None, validate=True, beta_c=None, 
     if backend_for(alpha) == "triton":
         return _triton[1].kmeanspp_triton(alpha, beta, k, seed=seed, exclude=exclude,
                                           validate=validate, beta_c=beta_c, sqn=sqn)
-    return _seeding(alpha)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
-                           beta_c=beta_c, sqn=sqn)
+    return _seeding(alpha, beta)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                                 beta_c=beta_c, sqn=sqn)
 
 
 @without_autocast
@@ -165,5 +176,5 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
         bf = torch.bfloat16
         alpha, beta, sqn = alpha.to(bf), beta.to(bf), None
         beta_c = None if beta_c is None else beta_c.to(bf)
-    return _seeding(keys)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
-                          beta_c=beta_c, sqn=sqn)
+    return _seeding(alpha, beta)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
+                                 beta_c=beta_c, sqn=sqn)

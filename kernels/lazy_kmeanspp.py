@@ -117,12 +117,12 @@ def kmeanspp_lazy(
     def true_scores(rows, u):
         """The reference's race scores of ``rows`` (E = -log U, as it computes it)."""
         d, neg_e = dmin[rows], np.log(u[rows])
-        with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(d == 0, neg_e, d / -neg_e)
+        return np.where(d == 0, neg_e, d / -neg_e)
 
     # One BLAS thread: each step's products are tiny, and an idle BLAS thread left spinning
     # slows torch's next parallel op on the same cores (the training step that follows).
-    with ref._blas_threads(0, "cpu"), np.errstate(invalid="ignore", over="ignore"):
+    with ref._blas_threads(0, "cpu"), np.errstate(invalid="ignore", over="ignore",
+                                                   divide="ignore"):
         for step in range(k):
             j = step % ref._RNG_STEPS
             if j == 0:
@@ -148,9 +148,12 @@ def kmeanspp_lazy(
                 # ascending: the first index on ties; the slack (2^-20 of s) only adds rows,
                 # against a logarithm that rounds below 1 - U
                 rows = np.flatnonzero(bound >= s - abs(s) * 2.0**-20)
-                bring_up_to_date(rows, step)
                 touched += rows.size
-                c = int(rows[true_scores(rows, u[j]).argmax()])
+                if rows.size == 1:  # the top alone (the usual case): it is the draw
+                    c = top
+                else:
+                    bring_up_to_date(rows, step)
+                    c = int(rows[true_scores(rows, u[j]).argmax()])
             picks[step] = c
             ac[step], bcc[step], sqc[step] = a[c], bc[c], sq[c]
             dmin[c] = -inf

@@ -76,8 +76,12 @@ def test_touches_a_few_candidates_per_step():
     assert 62 <= stats["touched"] <= 62 * 20  # steps 2..63, each touching >= 1 candidate
 
 
-def test_dispatch_runs_the_lazy_race_on_cpu_and_the_reference_when_asked(monkeypatch):
-    keys, queries, feats = _pool(800, 16, 16, 32, seed=2)
+def test_dispatch_runs_the_lazy_race_on_large_cpu_pools_and_the_reference_when_asked(
+        monkeypatch):
+    """kernels.select on CPU tensors: the lazy race from kernels._LAZY_FROM_FLOATS factor
+    floats on, the reference's loop below it and whenever CMACC_KERNELS=reference; the same
+    picks in every case."""
+    keys, queries, feats = _pool(800, 16, 16, 32, seed=2)  # 800 x (16 + 16) floats a pass
     calls = []
     real = kernels.kmeanspp_lazy
 
@@ -85,14 +89,19 @@ def test_dispatch_runs_the_lazy_race_on_cpu_and_the_reference_when_asked(monkeyp
         calls.append(1)
         return real(*args, **kw)
 
+    def draws():
+        return [kernels.select(keys, queries, feats, 16, seed=s, factors=f)
+                for s in range(2) for f in ("fp32", "bf16")]
+
     monkeypatch.setattr(kernels, "kmeanspp_lazy", spy)
     monkeypatch.setenv("CMACC_KERNELS", "auto")
-    lazy = [kernels.select(keys, queries, feats, 16, seed=s, factors=f)
-            for s in range(2) for f in ("fp32", "bf16")]
+    small = draws()
+    assert calls == []  # below the size: the reference's loop
+    monkeypatch.setattr(kernels, "_LAZY_FROM_FLOATS", 800 * 32)
+    lazy = draws()
     assert len(calls) == 4
     monkeypatch.setenv("CMACC_KERNELS", "reference")
-    eager = [kernels.select(keys, queries, feats, 16, seed=s, factors=f)
-             for s in range(2) for f in ("fp32", "bf16")]
+    eager = draws()
     assert len(calls) == 4  # the reference's own loop this time
-    for a, b in zip(lazy, eager):
-        assert torch.equal(a, b)
+    for a, b, c in zip(small, lazy, eager):
+        assert torch.equal(a, b) and torch.equal(b, c)
