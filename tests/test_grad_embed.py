@@ -27,7 +27,7 @@ from kernels.triton_grad_embed import (  # noqa: E402
     grad_embed_triton_with_norms,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from devices import DEV  # noqa: E402
 SHAPES = [  # N, M, d, d_h
     (1000, 24, 48, 80),  # awkward sizes; N not a multiple of the row block (tail)
     (37, 3, 5, 7),  # tiny, everything padded
@@ -177,8 +177,9 @@ def test_a_launch_configuration_set_by_hand_is_used_and_checked(monkeypatch):
     from kernels import triton_grad_embed as ge
 
     g = torch.Generator().manual_seed(3)
-    keys, queries = torch.randn(70, 12, generator=g), torch.randn(9, 12, generator=g)
-    feats = torch.randn(9, 20, generator=g)
+    keys = torch.randn(70, 12, generator=g).to(DEV)  # [N, d]
+    queries = torch.randn(9, 12, generator=g).to(DEV)  # [M, d]
+    feats = torch.randn(9, 20, generator=g).to(DEV)  # [M, d_h]
     want = grad_embed_triton(keys, queries, feats, view="head")
     monkeypatch.setenv("CMACC_EMBED_CONFIG", "16,4")
     assert ge.embed_config(9, "head", False, "ieee") == (16, 4)

@@ -20,7 +20,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels import triton_select as ts  # noqa: E402
 from kernels.triton_kmeanspp import kmeanspp_triton  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from devices import DEV  # noqa: E402
 
 
 def _pool(cap, m, d, dh, seed=0):
@@ -204,13 +204,15 @@ def _run_method(overlap: bool, steps=7):
                                     audio_layers=(1, 1, 1, 1), fcl_dim=16, dim=8,
                                     sampler="active", overlap=overlap)
     torch.manual_seed(0)
-    model = CMACC(model_cfg, sel)
+    model = CMACC(model_cfg, sel).to(DEV)
     opt = torch.optim.SGD(model.query_parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     active = []
     for step in range(steps):
-        video, audio = torch.randn(4, 3, 4, 16, 16, generator=g), torch.randn(4, 80, 20, generator=g)
-        loss, stats = model(video, audio, torch.arange(4) + 4 * (step % 5), step=step)
+        video = torch.randn(4, 3, 4, 16, 16, generator=g).to(DEV)  # [B, C, T, H, W]
+        audio = torch.randn(4, 80, 20, generator=g).to(DEV)  # [B, mel, frames]
+        index = (torch.arange(4) + 4 * (step % 5)).to(DEV)  # [B]
+        loss, stats = model(video, audio, index, step=step)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -221,8 +223,12 @@ def _run_method(overlap: bool, steps=7):
 def test_overlapped_schedule_gives_the_serial_results(monkeypatch):
     """overlap=True issues the selection before the key encoders (on CUDA on a side stream);
     overlap=False runs the keys first, then the selection. On CPU both run serially: the
-    weights, dictionaries and pools after several active steps must be bit-identical."""
+    weights, dictionaries and pools after several active steps must be bit-identical. On CUDA
+    (make gpu-check) too, with deterministic cuDNN: a missing stream wait would read a pool or
+    dictionary before its write, or a selection before it ends."""
     monkeypatch.setenv("CMACC_KERNELS", "reference")
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     a, act = _run_method(True)
     b, _ = _run_method(False)
     assert sum(act) >= 3  # several active steps
