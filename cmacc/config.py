@@ -18,6 +18,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import kernels
 from data_dali.classdist import zipf_exponent
 
 from .encoders import VIDEO_ARCHS, backbone_features
@@ -265,6 +266,21 @@ class Config:
 
     def __post_init__(self):
         check_method(self.model, self.selection)
+
+    def check_selection_batch(self):
+        """Every sampler but random embeds the candidates against the M queries of the global
+        batch; on CUDA that is the Triton kernel, which holds a softmax row in one tile (at most
+        kernels.TRITON_MAX_M). A run checks this at its start (cmacc.trainer.Trainer), not at
+        the first active step K/M + 1 steps in; a stored config (evaluation) is not checked."""
+        if self.selection.sampler == "random":
+            return
+        limit = kernels.max_queries(self.run.device)
+        m = self.model.batch_size
+        if limit is not None and m > limit:
+            raise ValueError(f"batch_size M={m}: on {self.run.device} the {self.selection.sampler}"
+                             f" sampler's Triton kernels take at most {limit} pseudo-labels (the "
+                             f"global batch); use --batch-size <= {limit}, --sampler random, or "
+                             "CMACC_KERNELS=reference (the PyTorch selection, slower)")
 
     def replace(self, **sections: dict) -> Config:
         """A copy with fields overridden per section, re-validated:

@@ -121,6 +121,10 @@ MEANS = ("loss", "acc", "unique_per_m", "coverage", "gnorm", "fallback")
 
 class Trainer:
     def __init__(self, cfg: Config):
+        try:
+            cfg.check_selection_batch()  # before any data or model: one line, not a traceback
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.cfg = cfg
         self.out = Path(cfg.run.out)
         self.step = self.epoch = self.skip = self.batch_in_epoch = self.nonfinite = 0

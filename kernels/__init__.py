@@ -18,13 +18,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 
 import torch
 
 from . import reference
 
-__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast"]
+__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast",
+           "max_queries", "TRITON_MAX_M"]
+
+# The most pseudo-labels (queries: the global batch M) of one Triton embedding launch: the whole
+# softmax row of a candidate lives in one tile (kernels/triton_grad_embed.py). The reference
+# ops have no limit.
+TRITON_MAX_M = 256
 
 _CHOICES = ("auto", "triton", "reference")
 _TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")
@@ -87,6 +94,18 @@ def backend_for(t: torch.Tensor) -> str:
             "(e.g. in the shell), in a fresh process"
         )
     return "triton"
+
+
+def max_queries(device_type: str) -> int | None:
+    """The most pseudo-labels M the selection ops take on tensors of ``device_type`` as
+    ``backend_for`` would dispatch them now (CMACC_KERNELS, triton installed): TRITON_MAX_M on
+    the Triton path, None (no limit) on the reference. For checks at configuration time."""
+    choice = os.environ.get("CMACC_KERNELS", "auto").strip().lower() or "auto"
+    if choice == "reference" or (choice == "auto" and device_type != "cuda"):
+        return None
+    if choice == "auto" and importlib.util.find_spec("triton") is None:
+        return None
+    return TRITON_MAX_M
 
 
 def without_autocast(op):

@@ -34,12 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import TRITON_MAX_M, reference
 
 __all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "embed_into", "precision_of",
            "MAX_M", "GRAM_MAX_M", "PRECISIONS", "INTERPRETED"]
 
-MAX_M = 256
+MAX_M = TRITON_MAX_M  # the softmax row of M pseudo-labels in one tile
 GRAM_MAX_M = 128  # the Gram route holds G [M, M] in one tile
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 # Triton picks the interpreter or the compiler when a kernel below is defined (TRITON_INTERPRET

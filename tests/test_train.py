@@ -81,6 +81,8 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
     (["--video-width", "64"], "set --audio-width 64, or --no-fcl"),  # before any data is read
+    (["--device", "cuda", "--batch-size", "512", "--dict-size", "1024", "--pool-size", "2048"],
+     "batch_size M=512: on cuda the active sampler's Triton kernels take at most 256"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
@@ -166,3 +168,36 @@ def test_the_trainer_moves_every_batch_through_to_device(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "to_device", recording)
     train.main(TINY + ["--steps", "2", "--out", str(tmp_path / "run")])
     assert seen.count(["audio", "index", "video"]) >= 2, seen  # (and the dictionaries' clips)
+
+
+@pytest.mark.parametrize("env,device,sampler,m,refused", [
+    ("auto", "cuda", "active", 512, True),
+    ("auto", "cuda", "ohem", 4096, True),  # every sampler but random embeds (grad_norms)
+    ("triton", "cpu", "active-feature", 257, True),
+    ("auto", "cuda", "active", 256, False),
+    ("auto", "cuda", "random", 4096, False),
+    ("auto", "cpu", "active", 4096, False),  # the PyTorch reference: no limit
+    ("reference", "cuda", "active", 4096, False),
+])
+def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypatch, env, device,
+                                                                       sampler, m, refused):
+    """The Triton embedding takes at most 256 pseudo-labels (the global batch M); the CPU
+    reference has no limit. A run refuses what its kernels cannot take before it starts, not at
+    the first active step; the limit is the kernel's own (check_m)."""
+    from cmacc.config import PRESETS
+    from cmacc.trainer import Trainer, UsageError
+    from kernels import triton_grad_embed as ge
+
+    monkeypatch.setenv("CMACC_KERNELS", env)
+    cfg = PRESETS["tiny"].replace(model=dict(batch_size=m, dict_size=2 * m),
+                                  selection=dict(sampler=sampler, pool_size=4 * m),
+                                  run=dict(device=device))
+    if not refused:
+        Trainer(cfg)
+        return
+    with pytest.raises(UsageError) as e:
+        Trainer(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "at most 256" in msg and "CMACC_KERNELS=reference" in msg, msg
+    with pytest.raises(ValueError, match=r"\[1, 256\]"):  # what the kernel itself would say
+        ge.check_m(m)
