@@ -28,10 +28,11 @@ from . import reference
 __all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast",
            "max_queries", "TRITON_MAX_M"]
 
-# The most pseudo-labels (queries: the global batch M) of one Triton embedding launch: the whole
-# softmax row of a candidate lives in one tile (kernels/triton_grad_embed.py). The reference
-# ops have no limit.
-TRITON_MAX_M = 256
+# The most pseudo-labels (queries: the global batch M) the Triton selection serves: up to 256 a
+# candidate's softmax row is one tile, above it the embedding runs over chunks of the row
+# (kernels/triton_grad_embed.py); compiled for sm_90 and tested up to here. The reference ops
+# have no limit.
+TRITON_MAX_M = 4096
 
 _CHOICES = ("auto", "triton", "reference")
 _TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")

@@ -1,7 +1,8 @@
 """The kernel tests run on the device they declare: the check that would have caught both
-kernel-test defects of the first GPU run (a model built on the CPU in
+kernel-test defects of the first GPU run: a model built on the CPU in
 test_select_plan.py::test_overlapped_schedule_gives_the_serial_results, host tensors handed to
-grad_embed_triton in test_grad_embed.py::test_a_launch_configuration_set_by_hand_is_used_and_checked).
+grad_embed_triton in
+test_grad_embed.py::test_a_launch_configuration_set_by_hand_is_used_and_checked.
 
 The kernel test modules of ``make gpu-check`` run in a subprocess with CMACC_TEST_DEVICE=meta:
 ``DEV`` (tests/devices.py) is then ``meta``, a device that is not the CPU and exists without a

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_grad_embed import (  # noqa: E402
-    MAX_M,
+    TILED_MAX_M,
     grad_embed_triton,
     grad_embed_triton_with_norms,
 )
@@ -34,6 +34,7 @@ SHAPES = [  # N, M, d, d_h
     (70, 1, 16, 16),  # one pseudo-label: r = 0
     (45, 128, 128, 512),  # the real M, d, d_h; d_h spans several column chunks
     (33, 256, 300, 20),  # M = 256 (MAX_M), d = 300 spans several chunks, d_h < M
+    (40, 300, 20, 150),  # M > MAX_M: the tiled kernel, 5 chunks of pseudo-labels, a ragged one
 ]
 
 
@@ -159,9 +160,9 @@ def test_bad_input_is_a_clear_error():
         grad_embed_triton(keys[:, :5], queries, feats)
     with pytest.raises(ValueError, match="view="):
         grad_embed_triton(keys, queries, feats, view="weights")
-    too_many = torch.randn(MAX_M + 1, 8, device=DEV)
-    with pytest.raises(ValueError, match=rf"must be in \[1, {MAX_M}\]"):
-        grad_embed_triton(keys, too_many, torch.randn(MAX_M + 1, 4, device=DEV))
+    too_many = torch.randn(TILED_MAX_M + 1, 8, device=DEV)
+    with pytest.raises(ValueError, match=rf"must be in \[1, {TILED_MAX_M}\]"):
+        grad_embed_triton(keys, too_many, torch.randn(TILED_MAX_M + 1, 4, device=DEV))
 
 
 def test_empty_pool():

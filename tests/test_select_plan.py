@@ -116,6 +116,25 @@ def test_the_model_selects_from_one_plan_while_its_pool_fills():
     assert all(p.bound and p.copies == 0 and p.capacity == 40 for p in ts._PLANS.values())
 
 
+@pytest.mark.parametrize("view", ["head", "queries"])
+def test_a_global_batch_above_one_softmax_tile_selects_as_the_reference(view):
+    """M = 300 > MAX_M pseudo-labels (the embedding over chunks of the softmax row) from a bound
+    capacity buffer: the reference's picks (k = 40 here: the seeding does not depend on M in the
+    head view, and only through the factors' width in the queries view; the trainer asks k =
+    M, which the interpreter would take minutes over)."""
+    from kernels import triton_grad_embed as ge
+
+    cap, m, d, dh, k = 200, 300, 16, 40, 40
+    assert m > ge.MAX_M
+    keys, queries, feats, exclude = _pool(cap, m, d, dh, seed=7)
+    got = kernels.select(keys, queries, feats, k, seed=5, view=view, exclude=exclude, n=cap,
+                         validate=False)
+    want = _reference_picks(keys, queries, feats, k, 5, view, exclude)
+    assert torch.equal(got.cpu(), want.cpu())
+    (plan,) = ts._PLANS.values()
+    assert not plan.gram and plan.alpha.shape[1] == (d if view == "head" else m)
+
+
 def test_unbound_calls_round_the_capacity_up_and_copy():
     keys, queries, feats, _ = _pool(300, 8, 16, 8)
     for n in (200, 300, 250):

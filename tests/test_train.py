@@ -81,8 +81,8 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
     (["--video-width", "64"], "set --audio-width 64, or --no-fcl"),  # before any data is read
-    (["--device", "cuda", "--batch-size", "512", "--dict-size", "1024", "--pool-size", "2048"],
-     "batch_size M=512: on cuda the active sampler's Triton kernels take at most 256"),
+    (["--device", "cuda", "--batch-size", "8192", "--dict-size", "8192", "--pool-size", "16384"],
+     "batch_size M=8192: on cuda the active sampler's Triton kernels take at most 4096"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
@@ -171,19 +171,21 @@ def test_the_trainer_moves_every_batch_through_to_device(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("env,device,sampler,m,refused", [
-    ("auto", "cuda", "active", 512, True),
-    ("auto", "cuda", "ohem", 4096, True),  # every sampler but random embeds (grad_norms)
-    ("triton", "cpu", "active-feature", 257, True),
-    ("auto", "cuda", "active", 256, False),
-    ("auto", "cuda", "random", 4096, False),
-    ("auto", "cpu", "active", 4096, False),  # the PyTorch reference: no limit
-    ("reference", "cuda", "active", 4096, False),
+    ("auto", "cuda", "active", 4097, True),
+    ("auto", "cuda", "ohem", 8192, True),  # every sampler but random embeds (grad_norms)
+    ("triton", "cpu", "active-feature", 4097, True),
+    ("auto", "cuda", "active", 4096, False),  # above 256: the tiled embedding
+    ("auto", "cuda", "active", 512, False),
+    ("auto", "cuda", "random", 8192, False),
+    ("auto", "cpu", "active", 8192, False),  # the PyTorch reference: no limit
+    ("reference", "cuda", "active", 8192, False),
 ])
 def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypatch, env, device,
                                                                        sampler, m, refused):
-    """The Triton embedding takes at most 256 pseudo-labels (the global batch M); the CPU
-    reference has no limit. A run refuses what its kernels cannot take before it starts, not at
-    the first active step; the limit is the kernel's own (check_m)."""
+    """The Triton selection serves global batches M up to 4,096 (one softmax tile up to 256,
+    chunks above: tests/test_grad_embed.py, test_select_plan.py); the CPU reference has no
+    limit. A run refuses what its kernels cannot take before it starts, not at the first active
+    step; the limit is the kernel's own (check_m)."""
     from cmacc.config import PRESETS
     from cmacc.trainer import Trainer, UsageError
     from kernels import triton_grad_embed as ge
@@ -198,6 +200,6 @@ def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypat
     with pytest.raises(UsageError) as e:
         Trainer(cfg)
     msg = str(e.value)
-    assert "\n" not in msg and "at most 256" in msg and "CMACC_KERNELS=reference" in msg, msg
-    with pytest.raises(ValueError, match=r"\[1, 256\]"):  # what the kernel itself would say
+    assert "\n" not in msg and "at most 4096" in msg and "CMACC_KERNELS=reference" in msg, msg
+    with pytest.raises(ValueError, match=r"\[1, 4096\]"):  # what the kernel itself would say
         ge.check_m(m)
