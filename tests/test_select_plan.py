@@ -119,7 +119,7 @@ def test_the_model_selects_from_one_plan_while_its_pool_fills():
 @pytest.mark.parametrize("view", ["head", "queries"])
 def test_a_global_batch_above_one_softmax_tile_selects_as_the_reference(view):
     """M = 300 > MAX_M pseudo-labels (the embedding over chunks of the softmax row) from a bound
-    capacity buffer: the reference's picks (k = 40 here: the seeding does not depend on M in the
+    capacity buffer: the reference's picks, with fp32 and with bf16 factors (k = 40 here: the seeding does not depend on M in the
     head view, and only through the factors' width in the queries view; the trainer asks k =
     M, which the interpreter would take minutes over)."""
     from kernels import triton_grad_embed as ge
@@ -133,6 +133,13 @@ def test_a_global_batch_above_one_softmax_tile_selects_as_the_reference(view):
     assert torch.equal(got.cpu(), want.cpu())
     (plan,) = ts._PLANS.values()
     assert not plan.gram and plan.alpha.shape[1] == (d if view == "head" else m)
+    got = kernels.select(keys, queries, feats, k, seed=5, view=view, exclude=exclude, n=cap,
+                         validate=False, factors="bf16")  # stored rounded, as the reference
+    a, b, bc, _ = ref.select_factors(keys, queries, feats, tau=1.0, view=view)
+    bf = torch.bfloat16
+    want = ref.kmeanspp(a.to(bf), b.to(bf), k, seed=5, exclude=exclude,
+                        beta_c=None if bc is None else bc.to(bf))
+    assert torch.equal(got.cpu(), want.cpu())
 
 
 def test_unbound_calls_round_the_capacity_up_and_copy():
