@@ -18,9 +18,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
+import kernels
 from data_dali.classdist import zipf_exponent
 
-from .encoders import VIDEO_ARCHS
+from .encoders import VIDEO_ARCHS, backbone_features
 
 OBJECTIVES = ("cross", "smoco")  # cross-modal (XMoCo / CM-ACC) or unimodal SMoCo
 SAMPLERS = ("random", "active", "active-feature", "ohem")
@@ -54,6 +55,7 @@ def _at_most(obj, **limits):
             raise ValueError(f"{name} must be a number <= {hi:g}, got {v!r}")
 
 
+MAX_STAGES = 6  # residual stages per backbone (ResNet-18: 4)
 SEEDS = 2 ** 31  # seeds are in [0, SEEDS): DALI's seed and the loaders' (seed, epoch) mix fit
 
 
@@ -95,6 +97,29 @@ class ModelConfig:
                  fcl_dim=65536, batch_size=2 ** 20, dict_size=2 ** 26, tau=1e3)
         if not 0 <= self.seed < SEEDS:
             raise ValueError(f"seed must be in [0, {SEEDS}), got {self.seed}")
+        for name in ("video_layers", "audio_layers"):
+            layers = getattr(self, name)
+            if not (1 <= len(layers) <= MAX_STAGES
+                    and all(isinstance(n, int) and 1 <= n <= 64 for n in layers)):
+                raise ValueError(f"{name}={layers}: 1 to {MAX_STAGES} stages of 1 to 64 residual "
+                                 "blocks each, e.g. (2, 2, 2, 2) (ResNet-18)")
+        self._check_fcl_shapes()
+
+    def _check_fcl_shapes(self):
+        """The cross-modal fcl: each modality's key fcl follows the OTHER modality's query fcl
+        (cmacc/model.py), so both fcl layers [d_h, c] need the same backbone feature width c."""
+        if not (self.fcl and self.objective == "cross"):
+            return
+        cv = backbone_features(self.video_width, self.video_layers)
+        ca = backbone_features(self.audio_width, self.audio_layers)
+        if cv != ca:
+            stages = 2 ** (len(self.audio_layers) - 1)
+            fix = (f"--audio-width {cv // stages}" if cv % stages == 0
+                   else "equal backbone widths")
+            raise ValueError(f"fcl: the video backbone gives {cv} features (video_width="
+                             f"{self.video_width}) and the audio backbone {ca} (audio_width="
+                             f"{self.audio_width}), but the cross-modal fcl layers need equal "
+                             f"widths: set {fix}, or --no-fcl")
 
 
 @dataclass
@@ -241,6 +266,21 @@ class Config:
 
     def __post_init__(self):
         check_method(self.model, self.selection)
+
+    def check_selection_batch(self):
+        """Every sampler but random embeds the candidates against the M queries of the global
+        batch; on CUDA that is the Triton kernel, which holds a softmax row in one tile (at most
+        kernels.TRITON_MAX_M). A run checks this at its start (cmacc.trainer.Trainer), not at
+        the first active step K/M + 1 steps in; a stored config (evaluation) is not checked."""
+        if self.selection.sampler == "random":
+            return
+        limit = kernels.max_queries(self.run.device)
+        m = self.model.batch_size
+        if limit is not None and m > limit:
+            raise ValueError(f"batch_size M={m}: on {self.run.device} the {self.selection.sampler}"
+                             f" sampler's Triton kernels take at most {limit} pseudo-labels (the "
+                             f"global batch); use --batch-size <= {limit}, --sampler random, or "
+                             "CMACC_KERNELS=reference (the PyTorch selection, slower)")
 
     def replace(self, **sections: dict) -> Config:
         """A copy with fields overridden per section, re-validated:

@@ -98,6 +98,13 @@ def video_backbone(arch: str = "r3d_18", width: int = 64, layers=(2, 2, 2, 2)) -
     return _ScaledVideoResNet(arch, width, layers)
 
 
+def backbone_features(width: int, layers) -> int:
+    """c, the feature width of a video or audio backbone: ``width`` doubled at each stage after
+    the first (torchvision's r3d_18 / r2plus1d_18: 64 * 2**3 = 512). The config checks the fcl
+    shapes with it before any network is built."""
+    return width * 2 ** (len(tuple(layers)) - 1)
+
+
 def is_torchvision_size(width: int, layers) -> bool:
     """Whether a video backbone of this size is torchvision's own r3d_18 / r2plus1d_18."""
     return width == 64 and tuple(layers) == (2, 2, 2, 2)

@@ -3,7 +3,8 @@
     from cmacc.config import PRESETS
     summary = Trainer(PRESETS["tiny"].replace(run=dict(steps=50, out="runs/x"))).run()
 
-One iteration (``_train_step``): learning rate, batch to the device (channels_last_3d video),
+One iteration (``_train_step``): learning rate, batch to the device (``to_device``: pinned and
+not blocking on CUDA; channels_last_3d video),
 forward under autocast (the model does momentum update, keys, active selection, enqueue and the
 loss: cmacc/model.py), backward, optimiser step; every ``log_every`` steps one log row
 (``_log_interval``: the only host syncs — metrics, rank agreement, stop agreement); a
@@ -57,6 +58,23 @@ class NonFiniteLoss(RuntimeError):
 # ----------------------------------------------------------------------------------------------
 # Dictionaries and pools from encoded clips (paper Alg. 1 lines 3-4 and 6-7)
 # ----------------------------------------------------------------------------------------------
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with its tensors on ``device``. To CUDA, a host tensor is pinned first (unless
+    the loader pinned it) and copied with ``non_blocking=True``: the copy is queued on the current
+    stream and the host goes on queueing the step instead of waiting for the previous step's
+    update (the caching host allocator keeps the pinned buffer until the copy has run). Any other
+    device: ``.to`` as it is."""
+    cuda = torch.device(device).type == "cuda"
+    out = {}
+    for name, v in batch.items():
+        if torch.is_tensor(v):
+            if cuda and v.device.type == "cpu" and not v.is_pinned():
+                v = v.pin_memory()
+            v = v.to(device, non_blocking=cuda)
+        out[name] = v
+    return out
+
+
 @torch.no_grad()
 def encode_random_clips(model, loader, n, device, seed):
     """Key-encoder outputs (k_v, k_a, index) of n random clips of the global dataset (drawn
@@ -66,10 +84,11 @@ def encode_random_clips(model, loader, n, device, seed):
     while got < n:
         loader.set_epoch(10_000 + int(torch.randint(0, 1 << 30, (1,), generator=g)))
         for batch in loader:
-            kv, ka = model.encode_clips(batch["video"].to(device), batch["audio"].to(device))
+            batch = to_device({k: batch[k] for k in ("video", "audio", "index")}, device)
+            kv, ka = model.encode_clips(batch["video"], batch["audio"])
             ks_v.append(du.gather_cat(kv))
             ks_a.append(du.gather_cat(ka))
-            idx.append(du.gather_cat(batch["index"].to(device)))
+            idx.append(du.gather_cat(batch["index"]))
             got += idx[-1].shape[0]
             if got >= n:
                 break
@@ -102,6 +121,10 @@ MEANS = ("loss", "acc", "unique_per_m", "coverage", "gnorm", "fallback")
 
 class Trainer:
     def __init__(self, cfg: Config):
+        try:
+            cfg.check_selection_batch()  # before any data or model: one line, not a traceback
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         self.cfg = cfg
         self.out = Path(cfg.run.out)
         self.step = self.epoch = self.skip = self.batch_in_epoch = self.nonfinite = 0
@@ -398,13 +421,15 @@ class Trainer:
         ts = self.timer.start()
         for group in self.opt.param_groups:
             group["lr"] = cfg.optim.lr_at(self.step)
-        video = batch["video"].to(dev, non_blocking=True)
+        batch = to_device({k: v for k, v in batch.items()
+                           if k in ("video", "audio", "index", "video2", "audio2")}, dev)
+        video = batch["video"]  # [B, C, T, H, W]
         if cfg.optim.channels_last:
             video = video.contiguous(memory_format=torch.channels_last_3d)
-        audio, index = batch["audio"].to(dev), batch["index"].to(dev)
+        audio, index = batch["audio"], batch["index"]  # [B, mel, frames], [B]
         kw = {}
         if "video2" in batch:
-            kw = dict(video2=batch["video2"].to(dev), audio2=batch["audio2"].to(dev))
+            kw = dict(video2=batch["video2"], audio2=batch["audio2"])
         if self.flops_clip is None:
             self.flops_clip = model_flops_per_clip(self.model, video, audio)
         with amp.precision(dev, cfg.optim.amp):  # autocast (+ the CPU bf16 Conv3d guard)

@@ -8,8 +8,9 @@ before any worker starts: one ManifestError naming the first few bad rows by lin
 
 Rows may be any subset, reordering or concatenation of prepared manifests as long as the ids
 stay unique: the dataset index (what the loaders return and the dictionaries store) is the
-row's position, 0..N-1, whatever its ``id``. ``python -m data_dali.manifest stats|subset|merge``
-shapes manifests (data_dali/manifest_tools.py).
+row's position, 0..N-1, whatever its ``id``. ``python -m data_dali.manifest_tools
+stats|subset|merge`` shapes manifests (data_dali/manifest_tools.py imports this module, never
+the other way).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class Manifest:
         key = ("id", _int(r["id"]))
         if key in seen:
             return (f"id {_show(r['id'])} is also the id of line {seen[key]}; ids must be unique "
-                    "(`python -m data_dali.manifest merge` renumbers the rows of several datasets)")
+                    "(`python -m data_dali.manifest_tools merge` renumbers the rows of several datasets)")
         seen[key] = line
         for k in MEDIA:
             if r[k]:
@@ -262,7 +263,6 @@ def _mel_from_audio(path: str) -> np.ndarray:
     return log_mel(wave.mean(1))
 
 
-if __name__ == "__main__":  # python -m data_dali.manifest stats|subset|merge
-    from data_dali.manifest_tools import main
-
-    sys.exit(main())
+if __name__ == "__main__":  # the commands live above this module (one import direction)
+    sys.exit("error: the manifest commands moved: run `python -m data_dali.manifest_tools "
+             "stats|subset|merge ...` (or `cmacc-manifest`)")

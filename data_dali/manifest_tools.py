@@ -1,10 +1,10 @@
-"""Shape prepared datasets without re-running prepare: ``python -m data_dali.manifest``
+"""Shape prepared datasets without re-running prepare: ``python -m data_dali.manifest_tools``
 (installed as the command ``cmacc-manifest``).
 
-    python -m data_dali.manifest stats data/ucf101/manifest.csv [--json]
-    python -m data_dali.manifest subset data/ucf101/manifest.csv --out data/ucf101/small.csv \\
+    python -m data_dali.manifest_tools stats data/ucf101/manifest.csv [--json]
+    python -m data_dali.manifest_tools subset data/ucf101/manifest.csv --out data/ucf101/small.csv \\
         --classes ApplyEyeMakeup Archery --split split1:train --fraction 0.25 --seed 0
-    python -m data_dali.manifest merge data/ucf101 data/hmdb51 --out data/ucf_hmdb.csv
+    python -m data_dali.manifest_tools merge data/ucf101 data/hmdb51 --out data/ucf_hmdb.csv
 
 ``stats`` counts clips, classes, clips per class, durations, splits and flagged clips.
 ``subset`` keeps the rows of some classes (``--classes`` / ``--drop-classes``, by name or
@@ -127,7 +127,7 @@ def subset(m: Manifest, *, classes=None, drop_classes=None, split=None, fraction
         rows = [r for i, r in enumerate(rows) if i in chosen]
     if not rows:
         raise UserError(f"{m.file}: no clip is left by these choices; see `python -m "
-                        f"data_dali.manifest stats {m.file}`")
+                        f"data_dali.manifest_tools stats {m.file}`")
     return rows
 
 
@@ -206,7 +206,7 @@ def write_manifest(rows: list[dict], out, sources: list[Manifest], flag: str = "
 # ----------------------------------------------------------------------------------------------
 @command
 def main(argv=None):
-    p = ArgumentParser(prog="python -m data_dali.manifest", description=__doc__)
+    p = ArgumentParser(prog="python -m data_dali.manifest_tools", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="stats|subset|merge")
     st = sub.add_parser("stats", help="counts of a manifest")
     st.add_argument("manifest", help="a manifest.csv or a prepared folder")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 
 import torch
@@ -30,7 +31,14 @@ import torch
 from . import reference
 from .lazy_kmeanspp import kmeanspp_lazy
 
-__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast"]
+__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast",
+           "max_queries", "TRITON_MAX_M"]
+
+# The most pseudo-labels (queries: the global batch M) the Triton selection serves: up to 256 a
+# candidate's softmax row is one tile, above it the embedding runs over chunks of the row
+# (kernels/triton_grad_embed.py); compiled for sm_90 and tested up to here. The reference ops
+# have no limit.
+TRITON_MAX_M = 4096
 
 _CHOICES = ("auto", "triton", "reference")
 _TRITON_MODULES = ("triton_grad_embed", "triton_kmeanspp", "triton_select")
@@ -111,6 +119,18 @@ def _seeding(alpha: torch.Tensor, beta: torch.Tensor):
     large = alpha.shape[0] * (alpha.shape[1] + beta.shape[1]) >= _LAZY_FROM_FLOATS
     return (kmeanspp_lazy if alpha.device.type == "cpu" and large and not eager
             else reference.kmeanspp)
+
+
+def max_queries(device_type: str) -> int | None:
+    """The most pseudo-labels M the selection ops take on tensors of ``device_type`` as
+    ``backend_for`` would dispatch them now (CMACC_KERNELS, triton installed): TRITON_MAX_M on
+    the Triton path, None (no limit) on the reference. For checks at configuration time."""
+    choice = os.environ.get("CMACC_KERNELS", "auto").strip().lower() or "auto"
+    if choice == "reference" or (choice == "auto" and device_type != "cuda"):
+        return None
+    if choice == "auto" and importlib.util.find_spec("triton") is None:
+        return None
+    return TRITON_MAX_M
 
 
 def without_autocast(op):

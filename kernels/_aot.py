@@ -17,7 +17,7 @@ Nothing is autotuned: each launch has the one configuration the trainer uses
 Identical kernels (same source, constants, specialisation and options) are compiled once.
 Reported per variant: shared memory, registers and spills (ptxas -v):
 
-    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--n 38400] [--m 16 32 64 128 256] [--markdown]
+    TRITON_INTERPRET=0 python -m kernels._aot [--arch 90] [--n 38400] [--m 16 ... 4096] [--markdown]
 
 No CUDA driver or device is needed. TRITON_INTERPRET must be unset/0 *before* the Triton modules
 are imported: Triton decides between interpreter and compiler when a kernel is defined.
@@ -93,8 +93,8 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     ps = torch.zeros(2 * cfg["grid"])
     pi = torch.zeros(2 * cfg["grid"], dtype=torch.int32)
     bar = torch.zeros(1, dtype=torch.int32)
-    kernels = [ge._grad_embed_kernel, km._kmeanspp_step_kernel, km._kmeanspp_pick_kernel,
-               km._kmeanspp_persistent_kernel]
+    kernels = [ge._grad_embed_kernel, ge._grad_embed_tiled_kernel, km._kmeanspp_step_kernel,
+               km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel]
     with _recording(kernels) as calls:
         ge.embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, tau=1.0, view=view,
                       gram=gram, precision=precision)
@@ -217,9 +217,9 @@ def scan_embed_configs(arch=90, *, n=38400, ms=(16, 32, 64, 128, 256), d=128, dh
                 for fac in ("fp32", "bf16"):
                     calls = [c for c in record_selection(n, m, d, dh, m, view=view,
                                                          precision=prec, factors=fac)
-                             if c[0] is ge._grad_embed_kernel]
+                             if c[0] in (ge._grad_embed_kernel, ge._grad_embed_tiled_kernel)]
                     for (fn, args, kw), f in zip(calls, (fac, "fp32")):  # grad_norms: fp32
-                        key = (m, view, kw["GRAM"], prec, f)
+                        key = (m, view, kw.get("GRAM", False), prec, f)
                         if key in seen:
                             continue
                         seen.add(key)
@@ -232,7 +232,7 @@ def scan_embed_configs(arch=90, *, n=38400, ms=(16, 32, 64, 128, 256), d=128, dh
                             info = _ptxas_info(ck.asm["ptx"], arch)
                             hit = re.search(r"(\d+) bytes spill stores", info)
                             spills[(bn, nw)] = int(hit.group(1)) if hit else -1
-                        yield (*key, spills, ge.embed_config(m, view, kw["GRAM"], prec, f))
+                        yield (*key, spills, ge.embed_config(m, view, key[2], prec, f))
 
 
 def main(argv=None) -> int:
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100)")
     p.add_argument("--n", type=int, default=38400, help="pool capacity")
-    p.add_argument("--m", type=int, nargs="+", default=[16, 32, 64, 128, 256],
+    p.add_argument("--m", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 4096],
                    help="batch sizes M (pseudo-labels, k = M)")
     p.add_argument("--markdown", action="store_true", help="a Markdown table (bench/RESULTS.md)")
     p.add_argument("--scan-configs", action="store_true",

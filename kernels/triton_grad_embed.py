@@ -17,7 +17,10 @@ once. Inputs may be fp32/fp16/bf16: every load is cast to fp32 before any arithm
 are stored fp32 or bf16 (the output buffers' dtype), and sqn is computed from the stored values.
 Any N (masked tail; the valid count may be read from device memory, so one launch shape serves
 a growing pool), 1 <= M <= MAX_M (the whole softmax row lives in one tile), d and d_h of any
-size (chunked loops, masked).
+size (chunked loops, masked). MAX_M < M <= TILED_MAX_M (global batches of 512 ... 4,096):
+``_grad_embed_tiled_kernel``, the same math over chunks of TILED_BLOCK_M pseudo-labels (an
+online softmax pass for the row max, sum and argmax, then the residuals chunk by chunk with the
+logits recomputed: about d_h / BLOCK_H + 2 times the logit work of the one-tile kernel).
 
 tl.dot precision (``precision=`` or CMACC_DOT_PRECISION): ieee (default: true fp32 products,
 ~1e-6 relative to the reference) | tf32x3 (NVIDIA tensor cores, ~fp32 accuracy, faster) | tf32
@@ -34,12 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-from . import reference
+from . import TRITON_MAX_M, reference
 
 __all__ = ["grad_embed_triton", "grad_embed_triton_with_norms", "embed_into", "precision_of",
-           "MAX_M", "GRAM_MAX_M", "PRECISIONS", "INTERPRETED"]
+           "MAX_M", "TILED_MAX_M", "GRAM_MAX_M", "PRECISIONS", "INTERPRETED"]
 
-MAX_M = 256
+MAX_M = 256  # up to here a candidate's whole softmax row of M pseudo-labels is one tile
+TILED_MAX_M = TRITON_MAX_M  # above MAX_M: _grad_embed_tiled_kernel, in chunks of TILED_BLOCK_M
+TILED_BLOCK_M = 64
 GRAM_MAX_M = 128  # the Gram route holds G [M, M] in one tile
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 # Triton picks the interpreter or the compiler when a kernel below is defined (TRITON_INTERPRET
@@ -94,7 +99,24 @@ def embed_config(m: int, view: str, gram: bool, precision: str,
         return 16, 8
     if small:
         return 64, 8
-    return (16, 8) if precision == "tf32x3" else (32, 8)  # M = 256: the least spill
+    # M = 256: the least spill; M > 256 (the tiled kernel, [BLOCK_N, 64] tiles): no spill in
+    # the default setting (bench/RESULTS.md)
+    return (16, 8) if precision == "tf32x3" else (32, 8)
+
+
+@triton.jit
+def _store_key_chunk(k, alpha_ptr, beta_ptr, offs_n64, offs_d, mask_nd, stride_an, stride_bn,
+                     tau, HEAD: tl.constexpr):
+    # one column chunk of the key tile is alpha = k (HEAD) or beta = k / tau (queries view),
+    # stored in the buffer's dtype; returns the row sums of squares of the stored values
+    if HEAD:
+        ks = k.to(alpha_ptr.dtype.element_ty)
+        tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_d[None, :], ks, mask=mask_nd)
+    else:
+        ks = tl.math.div_rn(k, tau).to(beta_ptr.dtype.element_ty)
+        tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_d[None, :], ks, mask=mask_nd)
+    ks = ks.to(tl.float32)
+    return tl.sum(ks * ks, axis=1)
 
 
 @triton.jit
@@ -135,14 +157,8 @@ def _grad_embed_kernel(
         q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                     mask=mask_m[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
         s += tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-        if HEAD:  # alpha = k
-            ks = k.to(a_ty)
-            tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_d[None, :], ks, mask=mask_nd)
-        else:  # beta = k / tau
-            ks = tl.math.div_rn(k, tau).to(b_ty)
-            tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_d[None, :], ks, mask=mask_nd)
-        ks = ks.to(tl.float32)
-        k_sq += tl.sum(ks * ks, axis=1)
+        k_sq += _store_key_chunk(k, alpha_ptr, beta_ptr, offs_n64, offs_d, mask_nd, stride_an,
+                                 stride_bn, tau, HEAD)
     s = tl.math.div_rn(s, tau)
     s = tl.where(mask_m[None, :], s, float("-inf"))
 
@@ -199,6 +215,120 @@ def _grad_embed_kernel(
     tl.store(sqn_ptr + offs_n, sqn, mask=mask_n)
 
 
+@triton.jit
+def _logit_chunk(k_ptr, q_ptr, offs_n64, mask_n, m0, M, D, tau, stride_kn, stride_kd,
+                 stride_qm, stride_qd, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    # s[:, j] = k_n . q_{m0 + j} / tau for one chunk of BLOCK_M pseudo-labels; -inf past M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    s = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        k = tl.load(k_ptr + offs_n64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=mask_n[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=mask_m[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        s += tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    s = tl.math.div_rn(s, tau)
+    return tl.where(mask_m[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _residual_chunk(s, mx, lsum, yhat, m0, M, BLOCK_M: tl.constexpr):
+    # r = softmax(s_n) - e_yhat for one chunk of columns, from the row statistics; 0 past M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    p = tl.exp(s - mx[:, None]) / lsum[:, None]
+    r = p - tl.where(offs_m[None, :] == yhat[:, None], 1.0, 0.0)
+    return tl.where((offs_m < M)[None, :], r, 0.0)  # [BLOCK_N, BLOCK_M]
+
+
+@triton.jit
+def _grad_embed_tiled_kernel(
+    k_ptr, q_ptr, f_ptr, alpha_ptr, beta_ptr, sqn_ptr, n_ptr,
+    CAP, M, D, DH, tau,
+    stride_kn, stride_kd, stride_qm, stride_qd, stride_fm, stride_fh,
+    stride_an, stride_bn,
+    HEAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
+):
+    # _grad_embed_kernel's math for M > MAX_M (no Gram route), the pseudo-labels in chunks of
+    # BLOCK_M: no tile holds a whole softmax row.
+    #   pass 1 (online):  mx_n = max_j s_nj,  l_n = sum_j exp(s_nj - mx_n),  yhat_n = first argmax
+    #   pass 2: r = exp(s - mx) / l - e_yhat chunk by chunk (logits recomputed)
+    #     HEAD:     beta[:, h-chunk] = sum over M chunks of r F[m-chunk, h-chunk] / tau
+    #     queries:  alpha[:, m-chunk] = r
+    pid = tl.program_id(0)
+    n_valid = tl.minimum(tl.load(n_ptr), CAP)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] candidate rows
+    mask_n = offs_n < n_valid
+    offs_n64 = offs_n.to(tl.int64)
+    a_ty = alpha_ptr.dtype.element_ty
+    b_ty = beta_ptr.dtype.element_ty
+
+    # -- the key tile is alpha (HEAD) or beta = k / tau; |.|^2 from the stored values ---------
+    k_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_nd = mask_n[:, None] & (offs_d < D)[None, :]
+        k = tl.load(k_ptr + offs_n64[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=mask_nd, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+        k_sq += _store_key_chunk(k, alpha_ptr, beta_ptr, offs_n64, offs_d, mask_nd, stride_an,
+                                 stride_bn, tau, HEAD)
+
+    # -- pass 1: row max, first argmax, sum of exponentials --------------------------------
+    mx = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    lsum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    yhat = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for m0 in range(0, M, BLOCK_M):
+        s = _logit_chunk(k_ptr, q_ptr, offs_n64, mask_n, m0, M, D, tau, stride_kn, stride_kd,
+                         stride_qm, stride_qd, BLOCK_N, BLOCK_M, BLOCK_D, PRECISION)
+        cmax = tl.max(s, axis=1)
+        carg = tl.argmax(s, axis=1, tie_break_left=True).to(tl.int32) + m0
+        yhat = tl.where(cmax > mx, carg, yhat)  # a later chunk wins only when strictly larger
+        new = tl.maximum(mx, cmax)
+        lsum = lsum * tl.exp(mx - new) + tl.sum(tl.exp(s - new[:, None]), axis=1)
+        mx = new
+
+    # -- pass 2: the residuals, chunk by chunk ---------------------------------------------
+    if HEAD:
+        b_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for h0 in range(0, DH, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < DH
+            acc = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+            for m0 in range(0, M, BLOCK_M):
+                s = _logit_chunk(k_ptr, q_ptr, offs_n64, mask_n, m0, M, D, tau, stride_kn,
+                                 stride_kd, stride_qm, stride_qd, BLOCK_N, BLOCK_M, BLOCK_D,
+                                 PRECISION)
+                r = _residual_chunk(s, mx, lsum, yhat, m0, M, BLOCK_M)
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                f = tl.load(f_ptr + offs_m[:, None] * stride_fm + offs_h[None, :] * stride_fh,
+                            mask=(offs_m < M)[:, None] & mask_h[None, :],
+                            other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_H]
+                acc += tl.dot(r, f, input_precision=PRECISION)
+            beta = tl.math.div_rn(acc, tau).to(b_ty)
+            tl.store(beta_ptr + offs_n64[:, None] * stride_bn + offs_h[None, :], beta,
+                     mask=mask_n[:, None] & mask_h[None, :])
+            beta = beta.to(tl.float32)
+            b_sq += tl.sum(beta * beta, axis=1)
+        sqn = k_sq * b_sq
+    else:
+        r_sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for m0 in range(0, M, BLOCK_M):
+            s = _logit_chunk(k_ptr, q_ptr, offs_n64, mask_n, m0, M, D, tau, stride_kn,
+                             stride_kd, stride_qm, stride_qd, BLOCK_N, BLOCK_M, BLOCK_D,
+                             PRECISION)
+            ra = _residual_chunk(s, mx, lsum, yhat, m0, M, BLOCK_M).to(a_ty)
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            tl.store(alpha_ptr + offs_n64[:, None] * stride_an + offs_m[None, :], ra,
+                     mask=mask_n[:, None] & (offs_m < M)[None, :])
+            ra = ra.to(tl.float32)
+            r_sq += tl.sum(ra * ra, axis=1)
+        sqn = r_sq * k_sq
+    tl.store(sqn_ptr + offs_n, sqn, mask=mask_n)
+
+
 def _check_devices(keys, queries, feats):
     devs = {t.device for t in (keys, queries, feats) if t is not None}
     if len(devs) > 1:
@@ -222,6 +352,17 @@ def embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, *, tau, view, gr
     factors = "bf16" if alpha.dtype == torch.bfloat16 else "fp32"
     block_n, warps = embed_config(m, view, gram, prec, factors)
     block_h = max(16, min(block_d, triton.next_power_of_2(dh)))  # dh = M on the Gram route
+    if m > MAX_M:  # the pseudo-labels in chunks (no Gram route: GRAM_MAX_M < MAX_M)
+        _grad_embed_tiled_kernel[(triton.cdiv(cap, block_n),)](
+            keys, queries, f, alpha, beta, sqn, n_t,
+            cap, m, d, dh, float(tau),
+            keys.stride(0), keys.stride(1), queries.stride(0), queries.stride(1),
+            f.stride(0), f.stride(1), alpha.stride(0), beta.stride(0),
+            HEAD=head, BLOCK_N=block_n, BLOCK_M=TILED_BLOCK_M,
+            BLOCK_D=max(16, min(block_d, triton.next_power_of_2(d))), BLOCK_H=block_h,
+            PRECISION=prec, num_warps=warps, num_stages=2, enable_fp_fusion=False,
+        )
+        return
     _grad_embed_kernel[(triton.cdiv(cap, block_n),)](
         keys, queries, f, alpha, beta, bc, sqn, n_t,
         cap, m, d, dh, float(tau),
@@ -234,9 +375,9 @@ def embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, *, tau, view, gr
 
 
 def check_m(m: int) -> None:
-    if not 1 <= m <= MAX_M:
+    if not 1 <= m <= TILED_MAX_M:
         raise ValueError(f"grad_embed (triton): M={m} pseudo-labels (queries) must be in "
-                         f"[1, {MAX_M}]; use CMACC_KERNELS=reference for larger batches")
+                         f"[1, {TILED_MAX_M}]; use CMACC_KERNELS=reference for larger batches")
 
 
 def grad_embed_triton_with_norms(

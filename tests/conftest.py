@@ -1,14 +1,61 @@
 """Shared fixtures. Without a GPU, Triton kernels run in the Triton interpreter: the variable
 must be set before any @triton.jit function is defined (at the first import of
-kernels.triton_grad_embed / kernels.triton_kmeanspp), hence here, before any test imports."""
+kernels.triton_grad_embed / kernels.triton_kmeanspp), hence here, before any test imports.
+Under CMACC_TEST_DEVICE=meta (tests/devices.py) the kernels are the interpreter's too, and
+``_kernels_take_the_declared_device`` checks what each test hands them."""
 
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+from devices import DEV
+
+if not torch.cuda.is_available() or DEV == "meta":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+REACHED = "reached the kernels with every tensor on the declared device"
+
+
+def _host_tensors(args: dict, dev: str) -> list[str]:
+    return [f"{name} ({t.device})" for name, t in args.items()
+            if isinstance(t, torch.Tensor) and t.device.type != dev]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_take_the_declared_device(monkeypatch):
+    """Only with DEV = 'meta' (a device that is not the CPU and exists without a GPU): every
+    Triton launch and every call of the dispatch (kernels.select / grad_embed / kmeanspp, the
+    reference path included) first checks that each tensor argument is on DEV -- a compiled
+    Triton launch refuses a host tensor ("Pointer argument cannot be accessed from Triton (cpu
+    tensor?)") -- and then ends the test as skipped (meta tensors hold no values to compute
+    with). Off meta: nothing."""
+    if DEV != "meta":
+        yield
+        return
+    import kernels
+    from triton.runtime.interpreter import InterpretedFunction
+
+    def check(what, named):
+        bad = _host_tensors(named, DEV)
+        if bad:
+            pytest.fail(f"this test declares device {DEV!r} but handed the kernels a host "
+                        f"tensor: {what} got {', '.join(bad)}; build its inputs on DEV",
+                        pytrace=False)
+        pytest.skip(f"{REACHED} ({what})")
+
+    def launch(self, *args, grid, warmup, **kwargs):
+        check(f"launch of {self.__name__}", {**dict(zip(self.arg_names, args)), **kwargs})
+
+    def dispatch(name):
+        def op(*args, **kwargs):
+            check(f"kernels.{name}", {**{f"arg {i}": a for i, a in enumerate(args)}, **kwargs})
+        return op
+
+    monkeypatch.setattr(InterpretedFunction, "run", launch)
+    for name in ("select", "grad_embed", "kmeanspp"):
+        monkeypatch.setattr(kernels, name, dispatch(name))
+    yield
 
 
 @pytest.fixture(scope="session")

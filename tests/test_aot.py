@@ -24,7 +24,7 @@ def _run(code: str) -> str:
 @pytest.mark.parametrize("settings", [
     "views=('head',), precisions=('ieee', 'tf32x3'), factors=('fp32', 'bf16')",
     "views=('queries',), precisions=('tf32',), factors=('fp32',)",
-    "ms=(16, 256), precisions=('ieee',), factors=('fp32',), variants=('steps',)",
+    "ms=(16, 256, 4096), precisions=('ieee',), factors=('fp32',), variants=('steps',)",
 ])
 def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
     pytest.importorskip("triton.backends.nvidia")
@@ -35,6 +35,7 @@ def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
     # the embedding kernel, both k-means++ step kernels (first and later steps share a name),
     # the last pick, and the persistent single-launch variant where it is asked for
     assert "'grad_embed'" in out and "'kmeanspp_step'" in out and "'kmeanspp_pick'" in out
+    assert ("'grad_embed_tiled'" in out) == ("4096" in settings)  # M > 256: in chunks
     assert ("'kmeanspp_persistent'" in out) == ("variants=" not in settings)
 
 
@@ -83,16 +84,17 @@ def test_every_embedding_launch_has_one_configuration_the_same_in_every_process(
     code = ("import kernels._aot as a\n"
             "from kernels import triton_grad_embed as ge\n"
             "assert not hasattr(ge._grad_embed_kernel, 'configs'), 'autotuned'\n"
-            "for m in (16, 32, 64, 128, 256):\n"
+            "for m in (16, 32, 64, 128, 256, 512, 4096):\n"
             "  for view in ('head', 'queries'):\n"
             "    for prec in ('ieee', 'tf32x3', 'tf32'):\n"
             "     for fac in ('fp32', 'bf16'):\n"
             "      calls = [c for c in a.record_selection(38400, m, 128, 512, m, view=view, "
-            "precision=prec, factors=fac) if c[0] is ge._grad_embed_kernel]\n"
+            "precision=prec, factors=fac)\n"
+            "               if c[0] in (ge._grad_embed_kernel, ge._grad_embed_tiled_kernel)]\n"
             "      assert len(calls) == 2, len(calls)  # the selection and grad_norms\n"
             "      for (fn, args, kw), f in zip(calls, (fac, 'fp32')):  # grad_norms: fp32\n"
-            "        want = ge.embed_config(m, view, kw['GRAM'], prec, f)\n"
+            "        want = ge.embed_config(m, view, kw.get('GRAM', False), prec, f)\n"
             "        assert (kw['BLOCK_N'], kw['num_warps']) == want, (kw, want)\n"
-            "        print(m, view, prec, f, kw['GRAM'], kw['BLOCK_N'], kw['num_warps'])\n")
+            "        print(m, view, prec, f, kw.get('GRAM'), kw['BLOCK_N'], kw['num_warps'])\n")
     first, second = _run(code), _run(code)
-    assert first == second and len(first.splitlines()) == 5 * 2 * 3 * 2 * 2
+    assert first == second and len(first.splitlines()) == 7 * 2 * 3 * 2 * 2

@@ -22,18 +22,19 @@ pytest.importorskip("triton")
 
 from kernels import reference as ref  # noqa: E402
 from kernels.triton_grad_embed import (  # noqa: E402
-    MAX_M,
+    TILED_MAX_M,
     grad_embed_triton,
     grad_embed_triton_with_norms,
 )
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from devices import DEV  # noqa: E402
 SHAPES = [  # N, M, d, d_h
     (1000, 24, 48, 80),  # awkward sizes; N not a multiple of the row block (tail)
     (37, 3, 5, 7),  # tiny, everything padded
     (70, 1, 16, 16),  # one pseudo-label: r = 0
     (45, 128, 128, 512),  # the real M, d, d_h; d_h spans several column chunks
     (33, 256, 300, 20),  # M = 256 (MAX_M), d = 300 spans several chunks, d_h < M
+    (40, 300, 20, 150),  # M > MAX_M: the tiled kernel, 5 chunks of pseudo-labels, a ragged one
 ]
 
 
@@ -159,9 +160,9 @@ def test_bad_input_is_a_clear_error():
         grad_embed_triton(keys[:, :5], queries, feats)
     with pytest.raises(ValueError, match="view="):
         grad_embed_triton(keys, queries, feats, view="weights")
-    too_many = torch.randn(MAX_M + 1, 8, device=DEV)
-    with pytest.raises(ValueError, match=rf"must be in \[1, {MAX_M}\]"):
-        grad_embed_triton(keys, too_many, torch.randn(MAX_M + 1, 4, device=DEV))
+    too_many = torch.randn(TILED_MAX_M + 1, 8, device=DEV)
+    with pytest.raises(ValueError, match=rf"must be in \[1, {TILED_MAX_M}\]"):
+        grad_embed_triton(keys, too_many, torch.randn(TILED_MAX_M + 1, 4, device=DEV))
 
 
 def test_empty_pool():
@@ -177,8 +178,9 @@ def test_a_launch_configuration_set_by_hand_is_used_and_checked(monkeypatch):
     from kernels import triton_grad_embed as ge
 
     g = torch.Generator().manual_seed(3)
-    keys, queries = torch.randn(70, 12, generator=g), torch.randn(9, 12, generator=g)
-    feats = torch.randn(9, 20, generator=g)
+    keys = torch.randn(70, 12, generator=g).to(DEV)  # [N, d]
+    queries = torch.randn(9, 12, generator=g).to(DEV)  # [M, d]
+    feats = torch.randn(9, 20, generator=g).to(DEV)  # [M, d_h]
     want = grad_embed_triton(keys, queries, feats, view="head")
     monkeypatch.setenv("CMACC_EMBED_CONFIG", "16,4")
     assert ge.embed_config(9, "head", False, "ieee") == (16, 4)

@@ -19,7 +19,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels.triton_grad_embed import grad_embed_triton, grad_embed_triton_with_norms  # noqa: E402
 from kernels.triton_kmeanspp import kmeanspp_triton, uniform_hash_triton  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from devices import DEV  # noqa: E402
 
 
 def _factors(n, a, b, seed=0, dtype=torch.float32):

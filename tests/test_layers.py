@@ -3,6 +3,8 @@ statement (function-level ones included) with ``ast``:
 
     kernels  ←  cmacc (library)  ←  cmacc.apps, train.py
     data_dali ← cmacc.data (the library's data side), cmacc.apps
+
+and no two project modules import each other, directly or around a loop (``import_cycles``).
 """
 
 import ast
@@ -92,6 +94,88 @@ def test_imports_point_one_way():
 ])
 def test_the_checker_catches_upward_arrows(module, source):
     assert violations(module, imports_of(source, module, False))
+
+
+def imports_in_functions(source: str, module: str, is_package: bool) -> set[str]:
+    """The modules imported only inside functions (run after every module has loaded)."""
+    tree = ast.parse(source)
+    top = ast.Module(body=[n for n in tree.body
+                           if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))],
+                     type_ignores=[])
+    return (imports_of(source, module, is_package)
+            - imports_of(ast.unparse(top), module, is_package))
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (``from pkg import name`` counts as importing
+    ``pkg.name`` when that is a module, else ``pkg``); sources: module -> (source, is_package).
+    One arrow is left out: a function of a submodule importing its own package (Python has
+    initialised the package before the submodule, e.g. cmacc.apps.mi.cli reading the package's
+    docstring for --help)."""
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        late = imports_in_functions(source, module, is_package)
+        graph[module] = {name for name in imports_of(source, module, is_package)
+                         if name in sources and name != module
+                         and not (name in late and module.startswith(name + "."))}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every loop of imports (a strongly connected component of more than one module, found by
+    Tarjan's algorithm), each as a sorted list of its modules. A package importing its own
+    submodules (``__init__`` re-exports) is not a loop unless a submodule imports it back."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_two_modules_import_each_other():
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in project_modules()}
+    cycles = import_cycles(import_graph(sources))
+    assert not cycles, "import loops (make one module the lower one): " + "; ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_sees_a_loop_through_a_function_level_import():
+    """The loop data_dali.manifest <-> data_dali.manifest_tools had: a module-level import one
+    way, an import under ``if __name__ == "__main__"`` the other; and a three-module loop."""
+    pair = {"data_dali.manifest": ("if __name__ == '__main__':\n"
+                                   "    from data_dali.manifest_tools import main\n", False),
+            "data_dali.manifest_tools": ("from .manifest import Manifest\n", False)}
+    assert import_cycles(import_graph(pair)) == [["data_dali.manifest", "data_dali.manifest_tools"]]
+    ring = {"a.x": ("from a import y\n", False), "a.y": ("import a.z\n", False),
+            "a.z": ("def f():\n    from .x import g\n", False), "a.w": ("import a.x\n", False)}
+    assert import_cycles(import_graph(ring)) == [["a.x", "a.y", "a.z"]]
+    assert import_cycles(import_graph({k: v for k, v in ring.items() if k != "a.z"})) == []
+    package = {"p": ("from .cli import main\n", True), "p.cli": ("from p import doc\n", False)}
+    assert import_cycles(import_graph(package)) == [["p", "p.cli"]]  # at import: a real loop
+    package["p.cli"] = ("def main():\n    from p import doc\n", False)
+    assert import_cycles(import_graph(package)) == []  # the package is loaded by then
 
 
 def test_every_module_states_its_job():

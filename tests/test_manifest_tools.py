@@ -1,6 +1,6 @@
 """Manifests people shape: a shuffled subset cut by hand and a merge of two prepared datasets
 train without re-running prepare (the loader indexes rows densely); ``python -m
-data_dali.manifest stats|subset|merge`` against hand-built manifests and hand-counted answers."""
+data_dali.manifest_tools stats|subset|merge`` against hand-built manifests and hand-counted answers."""
 
 import csv
 import json
@@ -178,11 +178,15 @@ def test_a_duplicated_id_is_still_one_clear_error(tmp_path):
         Manifest(path)
 
 
-def test_python_dash_m_data_dali_manifest_runs(tmp_path):
+def test_python_dash_m_data_dali_manifest_tools_runs(tmp_path):
     path = _hand_built(tmp_path / "d", HAND)
-    res = subprocess.run([sys.executable, "-m", "data_dali.manifest", "stats", str(path)],
+    res = subprocess.run([sys.executable, "-m", "data_dali.manifest_tools", "stats", str(path)],
                          capture_output=True, text=True)
     assert res.returncode == 0 and "clips: 7" in res.stdout, res.stderr
+    old = subprocess.run([sys.executable, "-m", "data_dali.manifest", "stats", str(path)],
+                         capture_output=True, text=True)  # the format module: no commands
+    assert old.returncode == 1 and old.stderr.count("\n") == 1, old.stderr
+    assert "python -m data_dali.manifest_tools" in old.stderr
 
 
 def _fails(argv, capsys, *says):

@@ -283,6 +283,46 @@ def test_config_rejects_bad_values(kw, msg):
         tiny_cfg(**kw)
 
 
+def test_a_config_is_refused_at_once_exactly_when_its_model_cannot_be_built():
+    """Widths, depths, dims, fcl on/off and both objectives: a ModelConfig is accepted exactly
+    when the cross-modal fcl can tie the two modalities (the real backbones' feature widths are
+    equal, or there is no cross-modal fcl), the refusal is one line naming --audio-width (when a
+    width fixes it) and --no-fcl, and every accepted config builds its model."""
+    import itertools
+
+    from cmacc.config import ModelConfig, SelectionConfig
+
+    widths, depths = (4, 6), ((1,), (1, 1, 1))  # 6 at 1 stage vs 3 stages: no whole width
+    out_v = {(w, n): video_backbone("r3d_18", w, n).out_dim for w in widths for n in depths}
+    out_a = {(w, n): AudioResNet1d(80, w, n).out_dim for w in widths for n in depths}
+    accepted = refused = 0
+    for (vw, vl), (aw, al), fcl, objective, (dim, fcl_dim) in itertools.product(
+            out_v, out_a, (True, False), ("cross", "smoco"), ((8, 16), (12, 24))):
+        kw = dict(video_width=vw, video_layers=vl, audio_width=aw, audio_layers=al, fcl=fcl,
+                  objective=objective, dim=dim, fcl_dim=fcl_dim, batch_size=4, dict_size=8)
+        buildable = not (fcl and objective == "cross") or out_v[vw, vl] == out_a[aw, al]
+        try:
+            cfg = ModelConfig(**kw)
+        except ValueError as e:
+            assert not buildable, (kw, e)
+            msg = str(e)
+            assert "\n" not in msg and "--no-fcl" in msg, msg
+            if out_v[vw, vl] % 2 ** (len(al) - 1) == 0:  # a whole audio width matches
+                want = out_v[vw, vl] // 2 ** (len(al) - 1)
+                assert f"--audio-width {want}" in msg, msg
+                assert AudioResNet1d(80, want, al).out_dim == out_v[vw, vl]
+            refused += 1
+            continue
+        assert buildable, kw
+        sampler = "random" if objective == "smoco" else "active"
+        CMACC(cfg, SelectionConfig(sampler=sampler, pool_size=16))
+        accepted += 1
+    assert accepted and refused, (accepted, refused)
+    for bad in ((), (0, 1), (1,) * 7, (65,)):
+        with pytest.raises(ValueError, match=r"video_layers=.*1 to 6 stages"):
+            ModelConfig(video_layers=bad, audio_layers=bad)
+
+
 def test_negative_diversity_equals_hand_counts():
     from cmacc.metrics import negative_diversity
 

@@ -20,7 +20,7 @@ from kernels import reference as ref  # noqa: E402
 from kernels import triton_select as ts  # noqa: E402
 from kernels.triton_kmeanspp import kmeanspp_triton  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from devices import DEV  # noqa: E402
 
 
 def _pool(cap, m, d, dh, seed=0):
@@ -116,6 +116,32 @@ def test_the_model_selects_from_one_plan_while_its_pool_fills():
     assert all(p.bound and p.copies == 0 and p.capacity == 40 for p in ts._PLANS.values())
 
 
+@pytest.mark.parametrize("view", ["head", "queries"])
+def test_a_global_batch_above_one_softmax_tile_selects_as_the_reference(view):
+    """M = 300 > MAX_M pseudo-labels (the embedding over chunks of the softmax row) from a bound
+    capacity buffer: the reference's picks, with fp32 and with bf16 factors (k = 40 here: the seeding does not depend on M in the
+    head view, and only through the factors' width in the queries view; the trainer asks k =
+    M, which the interpreter would take minutes over)."""
+    from kernels import triton_grad_embed as ge
+
+    cap, m, d, dh, k = 200, 300, 16, 40, 40
+    assert m > ge.MAX_M
+    keys, queries, feats, exclude = _pool(cap, m, d, dh, seed=7)
+    got = kernels.select(keys, queries, feats, k, seed=5, view=view, exclude=exclude, n=cap,
+                         validate=False)
+    want = _reference_picks(keys, queries, feats, k, 5, view, exclude)
+    assert torch.equal(got.cpu(), want.cpu())
+    (plan,) = ts._PLANS.values()
+    assert not plan.gram and plan.alpha.shape[1] == (d if view == "head" else m)
+    got = kernels.select(keys, queries, feats, k, seed=5, view=view, exclude=exclude, n=cap,
+                         validate=False, factors="bf16")  # stored rounded, as the reference
+    a, b, bc, _ = ref.select_factors(keys, queries, feats, tau=1.0, view=view)
+    bf = torch.bfloat16
+    want = ref.kmeanspp(a.to(bf), b.to(bf), k, seed=5, exclude=exclude,
+                        beta_c=None if bc is None else bc.to(bf))
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_unbound_calls_round_the_capacity_up_and_copy():
     keys, queries, feats, _ = _pool(300, 8, 16, 8)
     for n in (200, 300, 250):
@@ -204,13 +230,15 @@ def _run_method(overlap: bool, steps=7):
                                     audio_layers=(1, 1, 1, 1), fcl_dim=16, dim=8,
                                     sampler="active", overlap=overlap)
     torch.manual_seed(0)
-    model = CMACC(model_cfg, sel)
+    model = CMACC(model_cfg, sel).to(DEV)
     opt = torch.optim.SGD(model.query_parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     active = []
     for step in range(steps):
-        video, audio = torch.randn(4, 3, 4, 16, 16, generator=g), torch.randn(4, 80, 20, generator=g)
-        loss, stats = model(video, audio, torch.arange(4) + 4 * (step % 5), step=step)
+        video = torch.randn(4, 3, 4, 16, 16, generator=g).to(DEV)  # [B, C, T, H, W]
+        audio = torch.randn(4, 80, 20, generator=g).to(DEV)  # [B, mel, frames]
+        index = (torch.arange(4) + 4 * (step % 5)).to(DEV)  # [B]
+        loss, stats = model(video, audio, index, step=step)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -221,8 +249,12 @@ def _run_method(overlap: bool, steps=7):
 def test_overlapped_schedule_gives_the_serial_results(monkeypatch):
     """overlap=True issues the selection before the key encoders (on CUDA on a side stream);
     overlap=False runs the keys first, then the selection. On CPU both run serially: the
-    weights, dictionaries and pools after several active steps must be bit-identical."""
+    weights, dictionaries and pools after several active steps must be bit-identical. On CUDA
+    (make gpu-check) too, with deterministic cuDNN: a missing stream wait would read a pool or
+    dictionary before its write, or a selection before it ends."""
     monkeypatch.setenv("CMACC_KERNELS", "reference")
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     a, act = _run_method(True)
     b, _ = _run_method(False)
     assert sum(act) >= 3  # several active steps

@@ -80,12 +80,16 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--steps", "0"], "steps must be"),
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
+    (["--video-width", "64"], "set --audio-width 64, or --no-fcl"),  # before any data is read
+    (["--device", "cuda", "--batch-size", "8192", "--dict-size", "8192", "--pool-size", "16384"],
+     "batch_size M=8192: on cuda the active sampler's Triton kernels take at most 4096"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, argv, msg):
     with pytest.raises(SystemExit) as e:
         train.main(TINY + argv + ["--out", str(tmp_path)])
     assert e.value.code == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err
 
 
 def test_config_file_and_flag_precedence(tmp_path):
@@ -106,3 +110,96 @@ def test_bf16_autocast_channels_last_run_is_finite(tmp_path):
     train.main(TINY + ["--steps", "3", "--log-every", "1", "--amp", "bf16", "--out", str(out)])
     rows = _rows(out)
     assert all(float(r["loss"]) == float(r["loss"]) for r in rows)  # not NaN
+
+
+def _record_copies(monkeypatch):
+    """Tensor.pin_memory / is_pinned / to replaced by recorders (no CUDA here): pin_memory
+    returns a marked copy, ``to`` records (target, non_blocking, source pinned) and stays put."""
+    pinned, calls = [], []
+
+    def pin_memory(self, *args):
+        t = self.clone()
+        pinned.append(t)
+        calls.append("pin")
+        return t
+
+    def is_pinned(self, *args):
+        return any(self is t for t in pinned)
+
+    def to(self, *args, **kwargs):
+        calls.append((str(args[0]), kwargs.get("non_blocking", False), is_pinned(self)))
+        return self
+
+    for name, fn in (("pin_memory", pin_memory), ("is_pinned", is_pinned), ("to", to)):
+        monkeypatch.setattr(torch.Tensor, name, fn)
+    return pinned, calls
+
+
+def test_host_batches_are_pinned_and_copied_without_blocking_to_cuda(monkeypatch):
+    from cmacc.trainer import to_device
+
+    batch = {"video": torch.zeros(2, 3), "audio": torch.zeros(2, 4), "index": torch.arange(2),
+             "name": ["a", "b"]}
+    pinned, calls = _record_copies(monkeypatch)
+    got = to_device(batch, torch.device("cuda"))
+    monkeypatch.undo()
+    assert calls == ["pin", ("cuda", True, True)] * 3  # every tensor pinned, then non-blocking
+    assert got["name"] == ["a", "b"] and all(got[k] is t for k, t in zip(batch, pinned))
+    pinned, calls = _record_copies(monkeypatch)
+    pinned.append(batch["audio"])  # pinned by the loader already: not pinned again
+    to_device(batch, torch.device("cuda:1"))
+    assert calls == ["pin", ("cuda:1", True, True), ("cuda:1", True, True), "pin",
+                     ("cuda:1", True, True)]
+    calls.clear()
+    to_device(batch, torch.device("cpu"))  # the CPU: as it was
+    assert calls == [("cpu", False, False), ("cpu", False, True), ("cpu", False, False)]
+
+
+def test_the_trainer_moves_every_batch_through_to_device(tmp_path, monkeypatch):
+    from cmacc import trainer
+
+    seen = []
+
+    def recording(batch, device):
+        seen.append(sorted(batch))
+        return trainer_to_device(batch, device)
+
+    trainer_to_device = trainer.to_device
+    monkeypatch.setattr(trainer, "to_device", recording)
+    train.main(TINY + ["--steps", "2", "--out", str(tmp_path / "run")])
+    assert seen.count(["audio", "index", "video"]) >= 2, seen  # (and the dictionaries' clips)
+
+
+@pytest.mark.parametrize("env,device,sampler,m,refused", [
+    ("auto", "cuda", "active", 4097, True),
+    ("auto", "cuda", "ohem", 8192, True),  # every sampler but random embeds (grad_norms)
+    ("triton", "cpu", "active-feature", 4097, True),
+    ("auto", "cuda", "active", 4096, False),  # above 256: the tiled embedding
+    ("auto", "cuda", "active", 512, False),
+    ("auto", "cuda", "random", 8192, False),
+    ("auto", "cpu", "active", 8192, False),  # the PyTorch reference: no limit
+    ("reference", "cuda", "active", 8192, False),
+])
+def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypatch, env, device,
+                                                                       sampler, m, refused):
+    """The Triton selection serves global batches M up to 4,096 (one softmax tile up to 256,
+    chunks above: tests/test_grad_embed.py, test_select_plan.py); the CPU reference has no
+    limit. A run refuses what its kernels cannot take before it starts, not at the first active
+    step; the limit is the kernel's own (check_m)."""
+    from cmacc.config import PRESETS
+    from cmacc.trainer import Trainer, UsageError
+    from kernels import triton_grad_embed as ge
+
+    monkeypatch.setenv("CMACC_KERNELS", env)
+    cfg = PRESETS["tiny"].replace(model=dict(batch_size=m, dict_size=2 * m),
+                                  selection=dict(sampler=sampler, pool_size=4 * m),
+                                  run=dict(device=device))
+    if not refused:
+        Trainer(cfg)
+        return
+    with pytest.raises(UsageError) as e:
+        Trainer(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "at most 4096" in msg and "CMACC_KERNELS=reference" in msg, msg
+    with pytest.raises(ValueError, match=r"\[1, 4096\]"):  # what the kernel itself would say
+        ge.check_m(m)

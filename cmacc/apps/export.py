@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from cmacc.checkpoint import save_atomic
-from cmacc.encoders import export_video, is_torchvision_size
+from cmacc.encoders import backbone_features, export_video, is_torchvision_size
 from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
 from data_dali.fileio import atomic_write_text
 
@@ -87,12 +87,13 @@ def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: 
         "data": _data(cfg.data.source),
         "config": cfg.to_dict(),
         "video": {"file": f"video_{arch}.pt", "arch": arch, "width": m.video_width,
-                  "layers": list(m.video_layers), "features": 8 * m.video_width,
+                  "layers": list(m.video_layers),
+                  "features": backbone_features(m.video_width, m.video_layers),
                   "fc_classes": num_classes, "torchvision": tv, "load": video_load,
                   "input": "[B, 3, T, H, W], normalised as data_dali's loaders do"},
         "audio": {"file": "audio_resnet1d.pt", "width": m.audio_width,
                   "layers": list(m.audio_layers), "n_mels": m.n_mels,
-                  "features": 8 * m.audio_width,
+                  "features": backbone_features(m.audio_width, m.audio_layers),
                   "load": "model = cmacc.encoders.load_audio_encoder('audio_resnet1d.pt')",
                   "input": f"[B, {m.n_mels}, L] log-mel, 100 frames per second (data_dali/audio.py)"},
         "sha256": {name: _sha256(p) for name, p in files.items()},
