@@ -354,3 +354,90 @@ def test_group_batch_norm_is_batch_norm_per_part(fmt):
     torch.testing.assert_close(xg.grad, xr.grad)
     torch.testing.assert_close(bn64.weight.grad, weight.grad)
     torch.testing.assert_close(bn64.bias.grad, bias.grad)
+
+
+def test_character_diversity_of_a_known_enqueue():
+    """Four pairs of two characters enqueued, counted by hand: position 0 (5 characters) holds
+    0, 0, 1, 4 (3 distinct), position 1 (3 characters) 2, 2, 2, 0 (2 distinct); unique/M =
+    (3/4 + 2/4) / 2, coverage = (3/min(4, 5) + 2/min(4, 3)) / 2. Pair 5 is not enqueued."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([5, 3]), 2, 6, seed=0, drawers=range(0, 14))
+    pairs.labels = torch.tensor([[0, 2], [0, 2], [1, 2], [4, 0], [3, 1], [2, 1]])
+    d = mi.character_diversity(pairs, torch.tensor([0, 1, 2, 3]))
+    assert d["unique_per_m"] == pytest.approx((3 / 4 + 2 / 4) / 2)
+    assert d["coverage"] == pytest.approx((3 / 4 + 2 / 3) / 2)
+    d = mi.character_diversity(pairs, torch.tensor([5, 4, 3, 2, 1, 0]))  # all: 5 and 3 distinct
+    assert d["unique_per_m"] == pytest.approx((5 / 6 + 3 / 6) / 2)
+    assert d["coverage"] == pytest.approx((5 / 5 + 3 / 3) / 2)
+
+
+def exact_expected_distinct(labels: torch.Tensor, m: int) -> float:
+    """E[distinct values] among m of ``labels`` drawn without replacement: sum over values c of
+    1 - C(n - n_c, m) / C(n, m), in exact integers (math.comb)."""
+    n = len(labels)
+    counts = torch.bincount(labels).tolist()
+    return sum(1 - math.comb(n - k, m) / math.comb(n, m) for k in counts if k)
+
+
+def test_random_sampling_diversity_follows_its_law():
+    """XMoCo enqueues its batch, a uniformly random M of the training pairs: its recorded
+    unique/M and coverage must match the hypergeometric law of distinct characters per
+    position (computed here in exact integers), over all steps and over the second half; the
+    study's ``diversity_law`` is that law too. Alphabets of 12, 7 and 40 characters at M = 32
+    (40 > M: coverage's ceiling is M there)."""
+    sizes = [12, 7, 40]
+    pairs = mi.MultiOmniglotPairs(identity_glyphs(sizes), 3, 2000, seed=5, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "min_steps": 60})
+    _, hist = mi.train_one("XMoCo", pairs, cfg, seed=0)
+    m = cfg.batch
+    e = [exact_expected_distinct(pairs.labels[:, i], m) for i in range(3)]
+    law = {"unique_per_m": sum(u / m for u in e) / 3,
+           "coverage": sum(u / min(m, s) for u, s in zip(e, sizes)) / 3}
+    assert mi.diversity_law(pairs, m) == pytest.approx(law, rel=1e-9)
+    assert hist["steps"] == 60 and len(hist["unique_per_m"]) == 3  # windows of 20 steps
+    for k in ("unique_per_m", "coverage"):
+        # per step sd of the mean over 3 positions ~0.03: over 60 steps ~0.004, 30 ~0.006
+        assert sum(hist[k]) / 3 == pytest.approx(law[k], abs=0.015)
+        assert hist[f"{k}_2nd_half"] == pytest.approx(law[k], abs=0.02)
+
+
+def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders():
+    """--pool-mode epoch: 256 training pairs at M = 32 make an epoch of 8 steps, so 17 steps
+    draw the pools at steps 0, 8 and 16. At each draw the pools hold their pairs' keys from the
+    key encoders of that moment (recomputed here, batch by batch, BN statistics per batch as
+    the draw had them); between draws nothing else is written to them (no rolling pushes)."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([12, 7]), 2, 256, seed=1, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "bn_groups": 1, "momentum": 0.5, "max_steps": 17,
+                         "min_steps": 17, "pool_mode": "epoch"})
+    m, n = cfg.batch, cfg.pool_mult * cfg.batch
+    real = mi.train.fill_epoch_pools
+    draws = []
+
+    def checking(model, loader, device, epoch):
+        if draws:  # untouched since the last draw
+            assert torch.equal(model.pool_v.keys, draws[-1][0])
+            assert torch.equal(model.pool_a.keys, draws[-1][1])
+        real(model, loader, device, epoch)
+        idx = model.pool_v.index
+        assert model.pool_v.count == model.pool_a.count == n and torch.equal(idx, model.pool_a.index)
+        with torch.no_grad():
+            xs, ys = zip(*(pairs.batch(idx[s:s + m]) for s in range(0, n, m)))
+            ref_v = torch.cat([model.h_v(x)[0] for x in xs])
+            ref_a = torch.cat([model.h_a(y)[0] for y in ys])
+        torch.testing.assert_close(model.pool_v.keys, ref_v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.pool_a.keys, ref_a, rtol=1e-5, atol=1e-5)
+        draws.append((model.pool_v.keys.clone(), model.pool_a.keys.clone(), idx.clone()))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mi.train, "fill_epoch_pools", checking)
+    try:
+        model, hist = mi.train_one("CM-ACC", pairs, cfg, seed=0)
+    finally:
+        mp.undo()
+    assert hist["pool_draws"] == [0, 8, 16] and len(draws) == 3
+    assert torch.equal(model.pool_v.keys, draws[-1][0])  # the last step wrote nothing there
+    assert not torch.equal(draws[0][2], draws[1][2])  # new random pairs each epoch
+    # the rolling pool is never drawn
+    _, hist = mi.train_one("CM-ACC", pairs, mi.MIConfig(**{**mi.QUICK, "max_steps": 3}), seed=0)
+    assert "pool_draws" not in hist
+    with pytest.raises(ValueError, match="pool_mode must be one of"):
+        mi.MIConfig(pool_mode="weekly")
