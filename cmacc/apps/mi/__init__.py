@@ -48,9 +48,9 @@ from .data import (CELL, PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, RELATIONS, TRA
 from .nets import GroupBatchNorm2d, SmallCNN, augment
 from .probe import features, pixel_features, probe_accuracy
 from .report import paired_difference, report, write_outputs
-from .study import default_sampler_chars, departures, machine, plan, run
-from .train import (ALL_METHODS, DEPARTURE_WHY, METHODS, PAIRS, PAPER_CONFIG, QUICK, QUICK_PAIRS,
-                    SAMPLERS, MIConfig, ShuffledKeysCMACC, build_model, loss_plateaued,
-                    plateau_step, selects, train_one)
+from .study import default_sampler_chars, departures, diversity_law, machine, plan, run
+from .train import (ALL_METHODS, DEPARTURE_WHY, DIVERSITY, METHODS, PAIRS, PAPER_CONFIG, QUICK,
+                    QUICK_PAIRS, SAMPLERS, MIConfig, PairsLoader, ShuffledKeysCMACC, build_model,
+                    character_diversity, loss_plateaued, plateau_step, selects, train_one)
 
 __all__ = [n for n in dir() if not n.startswith("_")]
