@@ -4,6 +4,7 @@ character, drawer) in their pixels; the MI of each l against hand-computed value
 glyph bank against the PNG bytes it was read from; SMoCo's per-sample translation against a
 shifted copy; the plateau rule on hand-made curves; --quick end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -230,6 +231,24 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     minutes = sum(r["seconds"] + r["probe_seconds"] for r in runs) / 60
     assert f"the {len(runs)} runs in the tables: {minutes:.1f} min" in report
     assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
+    # the negatives' diversity by the real characters: every method, each sampler − random
+    assert (out / "mi_diversity.png").stat().st_size > 0
+    section = report.split("### unique/M, second half of training")[1].split("### ")[0]
+    head = next(line for line in section.splitlines() if line.startswith("| l |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = next(line for line in section.splitlines() if line.startswith("| 3 |"))
+    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    assert cells["random law"] == f"{res['diversity_law']['3']['unique_per_m']:.3f}"
+    for m in mi.ALL_METHODS:
+        (r,) = res["runs"][m]["3"]
+        assert 0 < r["unique_per_m_2nd_half"] <= 1 and len(r["unique_per_m"]) == len(r["acc"])
+        assert 0 < r["coverage_2nd_half"] <= 1
+        assert cells[m] == f"{r['unique_per_m_2nd_half']:.3f}"
+        if m != "XMoCo" and m != "SMoCo":
+            (x,) = res["runs"]["XMoCo"]["3"]
+            assert cells[f"{m} − XMoCo"] == \
+                f"{r['unique_per_m_2nd_half'] - x['unique_per_m_2nd_half']:+.3f}"
+    assert "### coverage, second half of training" in report
 
 
 def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
@@ -279,15 +298,24 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     # the other pool's finished runs are set aside in mi.json, not deleted
     assert both["runs_other_pool"]["CM-ACC"]["1"] == first_cmacc
     assert both["runs"]["SMoCo"]["1"][0] == first["runs"]["SMoCo"]["1"][0]
-    # a partial study: drop the second seed's CM-ACC run and report
+    # a partial study: drop the second seed's CM-ACC run and report; XMoCo's runs as an older
+    # mi.json has them, without the diversity record
     del both["runs"]["CM-ACC"]["1"][1]
     both["complete"] = False
+    for r in both["runs"]["XMoCo"]["1"]:
+        for k in ("unique_per_m", "coverage", "unique_per_m_2nd_half", "coverage_2nd_half"):
+            del r[k]
     (out / "mi.json").write_text(json.dumps(both))
-    for f in ("report.md", "mi.png", "mi_curves.png"):
+    for f in ("report.md", "mi.png", "mi_curves.png", "mi_diversity.png"):
         (out / f).unlink()
     assert mi.main(["--report-only", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     assert "partial: 5 runs in" in report
+    section = report.split("### unique/M, second half of training")[1].split("### ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]  # l, law, SMoCo, XMoCo, CM-ACC, diff
+    assert cells[3] == cells[5] == "not recorded" and cells[4] != "not recorded"
+    assert (out / "mi_diversity.png").stat().st_size > 0
     assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         mi.main(["--report-only", "--out", str(tmp_path / "nothing")])
@@ -441,3 +469,38 @@ def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders()
     assert "pool_draws" not in hist
     with pytest.raises(ValueError, match="pool_mode must be one of"):
         mi.MIConfig(pool_mode="weekly")
+
+
+def test_a_resume_with_another_pool_mode_trains_only_the_active_runs_again(tmp_path):
+    """The pool mode is, like the pool size, a setting of the active samplers' runs: a study
+    with another one is the same study (no error), its active runs are set aside (runs of an
+    older mi.json, without a mode, had the rolling pool), XMoCo's and SMoCo's stay."""
+    from cmacc.apps.mi.study import _drop_other_pools, _resume
+    from data_dali.cli import UserError
+
+    rolling = mi.MIConfig(**mi.QUICK)
+    epoch = mi.MIConfig(**{**mi.QUICK, "pool_mode": "epoch"})
+    settings = {"relation": "next", "config": dataclasses.asdict(rolling)}
+    (tmp_path / "mi.json").write_text(json.dumps({**settings, "runs": {}}))
+    moved = _resume(tmp_path / "mi.json",
+                    {**settings, "config": dataclasses.asdict(epoch)})
+    assert moved["runs"] == {} and moved["diversity_law"] == {}
+    with pytest.raises(UserError, match="tau"):
+        _resume(tmp_path / "mi.json", {**settings, "config": {**settings["config"], "tau": 0.2}})
+    old = {"seed": 0, "pool_mult": 12}  # an older file's active run: rolling
+    results = {"runs": {"CM-ACC": {"3": [old, {"seed": 1, "pool_mult": 12, "pool_mode": "epoch"}]},
+                        "XMoCo": {"3": [{"seed": 0}]}, "SMoCo": {"3": [{"seed": 0}]}},
+               "runs_other_pool": {}}
+    assert _drop_other_pools(results, epoch) == 1
+    assert results["runs"]["CM-ACC"]["3"] == [{"seed": 1, "pool_mult": 12, "pool_mode": "epoch"}]
+    assert results["runs_other_pool"]["CM-ACC"]["3"] == [old]
+    assert results["runs"]["XMoCo"]["3"] == [{"seed": 0}] == results["runs"]["SMoCo"]["3"]
+    assert _drop_other_pools(results, rolling) == 1  # and back: the epoch run is set aside
+    assert results["runs_other_pool"]["CM-ACC"]["3"][-1]["pool_mode"] == "epoch"
+
+
+def test_bad_pool_mode_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--pool-mode", "weekly"])
+    assert e.value.code == 2
+    assert "--pool-mode: invalid choice: 'weekly'" in capsys.readouterr().err
