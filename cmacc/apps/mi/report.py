@@ -146,8 +146,8 @@ def _sampler_lines(results, methods, samplers) -> list[str]:
                                  "Samplers: differences, paired by seed")
 
 
-DIVERSITY_ROWS = (("unique_per_m", "negatives' unique/M (window mean)"),
-                  ("coverage", "negatives' coverage (window mean)"))
+DIVERSITY_ROWS = (("unique_per_m", "enqueued: unique/M"),  # window means
+                  ("coverage", "enqueued: coverage"))
 
 
 def _recorded(results, m, l, key) -> str:
