@@ -4,6 +4,7 @@ character, drawer) in their pixels; the MI of each l against hand-computed value
 glyph bank against the PNG bytes it was read from; SMoCo's per-sample translation against a
 shifted copy; the plateau rule on hand-made curves; --quick end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -230,6 +231,24 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     minutes = sum(r["seconds"] + r["probe_seconds"] for r in runs) / 60
     assert f"the {len(runs)} runs in the tables: {minutes:.1f} min" in report
     assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
+    # the negatives' diversity by the real characters: every method, each sampler − random
+    assert (out / "mi_diversity.png").stat().st_size > 0
+    section = report.split("### unique/M, second half of training")[1].split("### ")[0]
+    head = next(line for line in section.splitlines() if line.startswith("| l |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    row = next(line for line in section.splitlines() if line.startswith("| 3 |"))
+    cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
+    assert cells["random law"] == f"{res['diversity_law']['3']['unique_per_m']:.3f}"
+    for m in mi.ALL_METHODS:
+        (r,) = res["runs"][m]["3"]
+        assert 0 < r["unique_per_m_2nd_half"] <= 1 and len(r["unique_per_m"]) == len(r["acc"])
+        assert 0 < r["coverage_2nd_half"] <= 1
+        assert cells[m] == f"{r['unique_per_m_2nd_half']:.3f}"
+        if m != "XMoCo" and m != "SMoCo":
+            (x,) = res["runs"]["XMoCo"]["3"]
+            assert cells[f"{m} − XMoCo"] == \
+                f"{r['unique_per_m_2nd_half'] - x['unique_per_m_2nd_half']:+.3f}"
+    assert "### coverage, second half of training" in report
 
 
 def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
@@ -279,15 +298,24 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     # the other pool's finished runs are set aside in mi.json, not deleted
     assert both["runs_other_pool"]["CM-ACC"]["1"] == first_cmacc
     assert both["runs"]["SMoCo"]["1"][0] == first["runs"]["SMoCo"]["1"][0]
-    # a partial study: drop the second seed's CM-ACC run and report
+    # a partial study: drop the second seed's CM-ACC run and report; XMoCo's runs as an older
+    # mi.json has them, without the diversity record
     del both["runs"]["CM-ACC"]["1"][1]
     both["complete"] = False
+    for r in both["runs"]["XMoCo"]["1"]:
+        for k in ("unique_per_m", "coverage", "unique_per_m_2nd_half", "coverage_2nd_half"):
+            del r[k]
     (out / "mi.json").write_text(json.dumps(both))
-    for f in ("report.md", "mi.png", "mi_curves.png"):
+    for f in ("report.md", "mi.png", "mi_curves.png", "mi_diversity.png"):
         (out / f).unlink()
     assert mi.main(["--report-only", "--out", str(out)]) == 0
     report = (out / "report.md").read_text()
     assert "partial: 5 runs in" in report
+    section = report.split("### unique/M, second half of training")[1].split("### ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]  # l, law, SMoCo, XMoCo, CM-ACC, diff
+    assert cells[3] == cells[5] == "not recorded" and cells[4] != "not recorded"
+    assert (out / "mi_diversity.png").stat().st_size > 0
     assert (out / "mi.png").stat().st_size > 0 and (out / "mi_curves.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         mi.main(["--report-only", "--out", str(tmp_path / "nothing")])
@@ -354,3 +382,125 @@ def test_group_batch_norm_is_batch_norm_per_part(fmt):
     torch.testing.assert_close(xg.grad, xr.grad)
     torch.testing.assert_close(bn64.weight.grad, weight.grad)
     torch.testing.assert_close(bn64.bias.grad, bias.grad)
+
+
+def test_character_diversity_of_a_known_enqueue():
+    """Four pairs of two characters enqueued, counted by hand: position 0 (5 characters) holds
+    0, 0, 1, 4 (3 distinct), position 1 (3 characters) 2, 2, 2, 0 (2 distinct); unique/M =
+    (3/4 + 2/4) / 2, coverage = (3/min(4, 5) + 2/min(4, 3)) / 2. Pair 5 is not enqueued."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([5, 3]), 2, 6, seed=0, drawers=range(0, 14))
+    pairs.labels = torch.tensor([[0, 2], [0, 2], [1, 2], [4, 0], [3, 1], [2, 1]])
+    d = mi.character_diversity(pairs, torch.tensor([0, 1, 2, 3]))
+    assert d["unique_per_m"] == pytest.approx((3 / 4 + 2 / 4) / 2)
+    assert d["coverage"] == pytest.approx((3 / 4 + 2 / 3) / 2)
+    d = mi.character_diversity(pairs, torch.tensor([5, 4, 3, 2, 1, 0]))  # all: 5 and 3 distinct
+    assert d["unique_per_m"] == pytest.approx((5 / 6 + 3 / 6) / 2)
+    assert d["coverage"] == pytest.approx((5 / 5 + 3 / 3) / 2)
+
+
+def exact_expected_distinct(labels: torch.Tensor, m: int) -> float:
+    """E[distinct values] among m of ``labels`` drawn without replacement: sum over values c of
+    1 - C(n - n_c, m) / C(n, m), in exact integers (math.comb)."""
+    n = len(labels)
+    counts = torch.bincount(labels).tolist()
+    return sum(1 - math.comb(n - k, m) / math.comb(n, m) for k in counts if k)
+
+
+def test_random_sampling_diversity_follows_its_law():
+    """XMoCo enqueues its batch, a uniformly random M of the training pairs: its recorded
+    unique/M and coverage must match the hypergeometric law of distinct characters per
+    position (computed here in exact integers), over all steps and over the second half; the
+    study's ``diversity_law`` is that law too. Alphabets of 12, 7 and 40 characters at M = 32
+    (40 > M: coverage's ceiling is M there)."""
+    sizes = [12, 7, 40]
+    pairs = mi.MultiOmniglotPairs(identity_glyphs(sizes), 3, 2000, seed=5, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "min_steps": 60})
+    _, hist = mi.train_one("XMoCo", pairs, cfg, seed=0)
+    m = cfg.batch
+    e = [exact_expected_distinct(pairs.labels[:, i], m) for i in range(3)]
+    law = {"unique_per_m": sum(u / m for u in e) / 3,
+           "coverage": sum(u / min(m, s) for u, s in zip(e, sizes)) / 3}
+    assert mi.diversity_law(pairs, m) == pytest.approx(law, rel=1e-9)
+    assert hist["steps"] == 60 and len(hist["unique_per_m"]) == 3  # windows of 20 steps
+    for k in ("unique_per_m", "coverage"):
+        # per step sd of the mean over 3 positions ~0.03: over 60 steps ~0.004, 30 ~0.006
+        assert sum(hist[k]) / 3 == pytest.approx(law[k], abs=0.015)
+        assert hist[f"{k}_2nd_half"] == pytest.approx(law[k], abs=0.02)
+
+
+def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders():
+    """--pool-mode epoch: 256 training pairs at M = 32 make an epoch of 8 steps, so 17 steps
+    draw the pools at steps 0, 8 and 16. At each draw the pools hold their pairs' keys from the
+    key encoders of that moment (recomputed here, batch by batch, BN statistics per batch as
+    the draw had them); between draws nothing else is written to them (no rolling pushes)."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([12, 7]), 2, 256, seed=1, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "bn_groups": 1, "momentum": 0.5, "max_steps": 17,
+                         "min_steps": 17, "pool_mode": "epoch"})
+    m, n = cfg.batch, cfg.pool_mult * cfg.batch
+    real = mi.train.fill_epoch_pools
+    draws = []
+
+    def checking(model, loader, device, epoch):
+        if draws:  # untouched since the last draw
+            assert torch.equal(model.pool_v.keys, draws[-1][0])
+            assert torch.equal(model.pool_a.keys, draws[-1][1])
+        real(model, loader, device, epoch)
+        idx = model.pool_v.index
+        assert model.pool_v.count == model.pool_a.count == n and torch.equal(idx, model.pool_a.index)
+        with torch.no_grad():
+            xs, ys = zip(*(pairs.batch(idx[s:s + m]) for s in range(0, n, m)))
+            ref_v = torch.cat([model.h_v(x)[0] for x in xs])
+            ref_a = torch.cat([model.h_a(y)[0] for y in ys])
+        torch.testing.assert_close(model.pool_v.keys, ref_v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.pool_a.keys, ref_a, rtol=1e-5, atol=1e-5)
+        draws.append((model.pool_v.keys.clone(), model.pool_a.keys.clone(), idx.clone()))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mi.train, "fill_epoch_pools", checking)
+    try:
+        model, hist = mi.train_one("CM-ACC", pairs, cfg, seed=0)
+    finally:
+        mp.undo()
+    assert hist["pool_draws"] == [0, 8, 16] and len(draws) == 3
+    assert torch.equal(model.pool_v.keys, draws[-1][0])  # the last step wrote nothing there
+    assert not torch.equal(draws[0][2], draws[1][2])  # new random pairs each epoch
+    # the rolling pool is never drawn
+    _, hist = mi.train_one("CM-ACC", pairs, mi.MIConfig(**{**mi.QUICK, "max_steps": 3}), seed=0)
+    assert "pool_draws" not in hist
+    with pytest.raises(ValueError, match="pool_mode must be one of"):
+        mi.MIConfig(pool_mode="weekly")
+
+
+def test_a_resume_with_another_pool_mode_trains_only_the_active_runs_again(tmp_path):
+    """The pool mode is, like the pool size, a setting of the active samplers' runs: a study
+    with another one is the same study (no error), its active runs are set aside (runs of an
+    older mi.json, without a mode, had the rolling pool), XMoCo's and SMoCo's stay."""
+    from cmacc.apps.mi.study import _drop_other_pools, _resume
+    from data_dali.cli import UserError
+
+    rolling = mi.MIConfig(**mi.QUICK)
+    epoch = mi.MIConfig(**{**mi.QUICK, "pool_mode": "epoch"})
+    settings = {"relation": "next", "config": dataclasses.asdict(rolling)}
+    (tmp_path / "mi.json").write_text(json.dumps({**settings, "runs": {}}))
+    moved = _resume(tmp_path / "mi.json",
+                    {**settings, "config": dataclasses.asdict(epoch)})
+    assert moved["runs"] == {} and moved["diversity_law"] == {}
+    with pytest.raises(UserError, match="tau"):
+        _resume(tmp_path / "mi.json", {**settings, "config": {**settings["config"], "tau": 0.2}})
+    old = {"seed": 0, "pool_mult": 12}  # an older file's active run: rolling
+    results = {"runs": {"CM-ACC": {"3": [old, {"seed": 1, "pool_mult": 12, "pool_mode": "epoch"}]},
+                        "XMoCo": {"3": [{"seed": 0}]}, "SMoCo": {"3": [{"seed": 0}]}},
+               "runs_other_pool": {}}
+    assert _drop_other_pools(results, epoch) == 1
+    assert results["runs"]["CM-ACC"]["3"] == [{"seed": 1, "pool_mult": 12, "pool_mode": "epoch"}]
+    assert results["runs_other_pool"]["CM-ACC"]["3"] == [old]
+    assert results["runs"]["XMoCo"]["3"] == [{"seed": 0}] == results["runs"]["SMoCo"]["3"]
+    assert _drop_other_pools(results, rolling) == 1  # and back: the epoch run is set aside
+    assert results["runs_other_pool"]["CM-ACC"]["3"][-1]["pool_mode"] == "epoch"
+
+
+def test_bad_pool_mode_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--pool-mode", "weekly"])
+    assert e.value.code == 2
+    assert "--pool-mode: invalid choice: 'weekly'" in capsys.readouterr().err

@@ -27,6 +27,15 @@ the run times; ``mi_curves.png`` shows each run's loss and pretext accuracy. The
 scored on two test sets: pairs drawn by held-out drawers (unseen handwriting, the protocol)
 and new pairs of the training drawers' own drawings (seen images).
 
+Every run also records the diversity of the negatives it enqueues, by the real characters of
+the enqueued pairs, position by position (unique/M and coverage as ``cmacc.metrics`` defines
+them; ``train.character_diversity`` says why per position): per window and over the second
+half of training. ``report.md`` tables it per l and sampler beside random sampling's law,
+with each sampler minus random (XMoCo) paired by seed; ``mi_diversity.png`` draws it.
+``--pool-mode epoch`` gives the active samplers the paper's per-epoch candidate pools (N random
+training pairs through the key encoders at each epoch start; an epoch = one pass over the
+training pairs at batch M) instead of the rolling pool.
+
 ``mi.json`` is rewritten after every run (``"complete": false`` until the last one is in):
 the same command again resumes a stopped study, training only the runs that are missing
 (other settings are an error naming what differs), and ``--report-only`` writes the report
@@ -48,9 +57,9 @@ from .data import (CELL, PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, RELATIONS, TRA
 from .nets import GroupBatchNorm2d, SmallCNN, augment
 from .probe import features, pixel_features, probe_accuracy
 from .report import paired_difference, report, write_outputs
-from .study import default_sampler_chars, departures, machine, plan, run
-from .train import (ALL_METHODS, DEPARTURE_WHY, METHODS, PAIRS, PAPER_CONFIG, QUICK, QUICK_PAIRS,
-                    SAMPLERS, MIConfig, ShuffledKeysCMACC, build_model, loss_plateaued,
-                    plateau_step, selects, train_one)
+from .study import default_sampler_chars, departures, diversity_law, machine, plan, run
+from .train import (ALL_METHODS, DEPARTURE_WHY, DIVERSITY, METHODS, PAIRS, PAPER_CONFIG, QUICK,
+                    QUICK_PAIRS, SAMPLERS, MIConfig, PairsLoader, ShuffledKeysCMACC, build_model,
+                    character_diversity, loss_plateaued, plateau_step, selects, train_one)
 
 __all__ = [n for n in dir() if not n.startswith("_")]

@@ -9,11 +9,23 @@ from pathlib import Path
 
 from data_dali.cli import ArgumentParser, UserError, command, output_folder
 
+from cmacc.config import POOL_MODES
+
 from .. import positive_int
 from .data import RELATIONS, make_glyphs
 from .report import write_outputs
 from .study import run
 from .train import ALL_METHODS, METHODS, PAIRS, QUICK, QUICK_PAIRS, SAMPLERS, MIConfig, selects
+
+
+FIELD_HELP = {  # MIConfig's fields that need more than their default
+    "pool_mult": "the candidate pool N = pool_mult * M of the active samplers; ",
+    "pool_mode": "the candidate pool: rolling = the key-encoder outputs of the last N / M "
+                 "steps; epoch (the paper) = N random training pairs through the key encoders "
+                 "at each epoch start, an epoch being one pass over the training pairs at batch "
+                 "M (floor(pairs / M) steps). A resumed study with another pool trains only the "
+                 "active samplers' runs again; ",
+}
 
 
 @command
@@ -51,8 +63,11 @@ def main(argv=None):
     for f in dataclasses.fields(MIConfig):
         kind = (dict(action=argparse.BooleanOptionalAction) if isinstance(f.default, bool)
                 else dict(type=type(f.default)))
+        if f.name == "pool_mode":
+            kind["choices"] = POOL_MODES
         p.add_argument("--" + f.name.replace("_", "-"), default=None, **kind,
-                       help=f"default {f.default} ({QUICK.get(f.name, f.default)} with --quick)")
+                       help=FIELD_HELP.get(f.name, "")
+                       + f"default {f.default} ({QUICK.get(f.name, f.default)} with --quick)")
     args = p.parse_args(argv)
     if args.report_only:
         return report_only(Path(args.out))

@@ -10,7 +10,7 @@ from cmacc.metrics import mean_ci
 from cmacc.runlog import save_figure
 from data_dali.fileio import atomic_write_text
 
-from .train import ALL_METHODS, METHODS
+from .train import ALL_METHODS, DIVERSITY, METHODS
 
 
 def _floor_key(floor: str, test: str) -> str:
@@ -23,11 +23,13 @@ TESTS = (("held_out", "Held-out drawers"), ("seen", "Seen drawings"))
 
 
 def write_outputs(results: dict, out: Path) -> None:
-    """report.md, mi.png (probe accuracy per l) and mi_curves.png (pretext accuracy over
-    training) from the figures, complete or not."""
+    """report.md, mi.png (probe accuracy per l), mi_curves.png (loss and pretext accuracy over
+    training) and mi_diversity.png (the enqueued negatives' diversity over training, where
+    recorded) from the figures, complete or not."""
     atomic_write_text(out / "report.md", report(results))
     _plot(results, out / "mi.png")
     _plot_curves(results, out / "mi_curves.png")
+    _plot_curves(results, out / "mi_diversity.png", DIVERSITY_ROWS, results.get("diversity_law"))
 
 
 def _runs(results, m, l, key=None):
@@ -79,6 +81,7 @@ def report(results: dict, methods=None) -> str:
     lines += _paired_lines(results, chars,
                            [("CM-ACC", "XMoCo"), ("CM-ACC", "SMoCo"), ("XMoCo", "SMoCo")])
     lines += _sampler_lines(results, methods, samplers)
+    lines += _diversity_lines(results, chars, [*methods, *samplers])
     lines += _time_lines(results, chars, [*methods, *samplers])
     lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
                                             zip(results["alphabets"], results["alphabet_sizes"])),
@@ -88,10 +91,10 @@ def report(results: dict, methods=None) -> str:
 
 
 def paired_difference(results, a: str, b: str, l: int, key: str) -> list[float]:
-    """a's probe accuracy minus b's, per seed that both ran (same seed: same pairs order,
-    same initial encoders), for a paired interval."""
-    rb = {r["seed"]: r[key] for r in _runs(results, b, l)}
-    return [r[key] - rb[r["seed"]] for r in _runs(results, a, l) if r["seed"] in rb]
+    """a's figure ``key`` (probe accuracy, diversity) minus b's, per seed that both ran and
+    recorded it (same seed: same pairs order, same initial encoders), for a paired interval."""
+    rb = {r["seed"]: r[key] for r in _runs(results, b, l) if key in r}
+    return [r[key] - rb[r["seed"]] for r in _runs(results, a, l) if key in r and r["seed"] in rb]
 
 
 def _paired_lines(results, chars, pairs, heading="Differences, paired by seed") -> list[str]:
@@ -141,6 +144,61 @@ def _sampler_lines(results, methods, samplers) -> list[str]:
     pairs = list(dict.fromkeys((a, b) for a, b in pairs if a != b))
     return lines + _paired_lines(results, chars, pairs,
                                  "Samplers: differences, paired by seed")
+
+
+DIVERSITY_ROWS = (("unique_per_m", "enqueued: unique/M"),  # window means
+                  ("coverage", "enqueued: coverage"))
+
+
+def _recorded(results, m, l, key) -> str:
+    """A cell of the diversity tables: mean ± interval over the seeds that recorded ``key``;
+    — where the method did not run at l, "not recorded" where its runs predate the record."""
+    runs = _runs(results, m, l)
+    values = [r[key] for r in runs if key in r]
+    if not runs:
+        return "—"
+    if not values:
+        return "not recorded"
+    return _pm(values) + ("" if len(values) == len(runs) else
+                          f" ({len(values)} of {len(runs)} runs recorded)")
+
+
+def _diversity_lines(results, chars, methods) -> list[str]:
+    """Negative diversity by the real characters: per l and method, the mean over the second
+    half of training, and each sampler minus random (XMoCo), paired by seed."""
+    methods = [m for m in methods if m in results["runs"]]
+    if not methods:
+        return []
+    others = [m for m in methods if m != "XMoCo" and ALL_METHODS.get(m, ("", ""))[0] == "cross"]
+    pairs = [(m, "XMoCo") for m in others] if "XMoCo" in methods else []
+    law = results.get("diversity_law", {})
+    lines = ["", "## Negative diversity by the real characters", "",
+             "Which pairs each sampler enqueued into the dictionaries, counted by their "
+             "characters position by position: U_i = distinct characters at position i among "
+             "the M pairs of a step; unique/M = U_i / M (the paper's Fig. 3 metric), coverage = "
+             "U_i / min(M, l_i) (1.0 = no sampler could do better); each the mean over the l "
+             "positions and the two dictionaries (y's character is a bijection of x's at each "
+             "position). Per position, not per tuple: from l = 3 there are more tuples than "
+             "training pairs, so nearly every pair is its own tuple and unique/M of tuples is "
+             "~1 for every sampler; a position's character is what the probe reads. Mean over "
+             "the second half of each run's steps, ± 95% t-interval over seeds; random law = "
+             "the expected value of a uniformly random batch of the training pairs (what "
+             "XMoCo and SMoCo enqueue); the differences are paired by seed ('not recorded': "
+             "runs from before this was measured)."]
+    for key, name in (("unique_per_m", "unique/M"), ("coverage", "coverage")):
+        lines += ["", f"### {name}, second half of training", "",
+                  "| l | random law | " + " | ".join(methods) + " | "
+                  + " | ".join(f"{a} − {b}" for a, b in pairs) + " |",
+                  "|---" * (2 + len(methods) + len(pairs)) + "|"]
+        for l in chars:
+            cells = ["—" if str(l) not in law else f"{law[str(l)][key]:.3f}"]
+            cells += [_recorded(results, m, l, f"{key}_2nd_half") for m in methods]
+            for a, b in pairs:
+                d = paired_difference(results, a, b, l, f"{key}_2nd_half")
+                ran = _runs(results, a, l) and _runs(results, b, l)
+                cells.append(_signed(d) if d or not ran else "not recorded")
+            lines.append(f"| {l} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _run_seconds(run) -> float:
@@ -219,36 +277,42 @@ def _plot(results, png, methods=None):
     save_figure(fig, png)
 
 
-def _plot_curves(results, png):
-    """The loss (what the plateau rule reads) and the pretext accuracy per window over
-    training, one column per l, mean over seeds per method: where each run stopped, and
-    whether it had flattened."""
+def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
+                                     ("acc", "pretext accuracy (window mean)")), law=None):
+    """Per-window figures of training (default: the loss, what the plateau rule reads, and the
+    pretext accuracy), one column per l, mean over seeds per method: where each run stopped,
+    and whether it had flattened. ``law``: {l: {row key: value}}, drawn as a dashed line
+    (random sampling's diversity). Nothing is drawn where no run recorded the rows."""
     plt = _pyplot()
     methods = [m for m in (*results.get("methods", METHODS), *results.get("samplers", ()))
                if m in results["runs"]]
-    ls = [l for l in results["chars"] if any(_runs(results, m, l) for m in methods)]
+    keys = [k for k, _ in rows]
+    ls = [l for l in results["chars"]
+          if any(r.get(k) for m in methods for r in _runs(results, m, l) for k in keys)]
     if not ls:
         return
     window = results["config"]["window"]
-    fig, axes = plt.subplots(2, len(ls), figsize=(3.2 * len(ls), 5.6), squeeze=False,
-                             sharex="col")
+    fig, axes = plt.subplots(len(rows), len(ls), figsize=(3.2 * len(ls), 2.8 * len(rows)),
+                             squeeze=False, sharex="col")
     for col, l in enumerate(ls):
-        for row, key in enumerate(("loss", "acc")):
+        for row, (key, _) in enumerate(rows):
             ax = axes[row][col]
             for m in methods:
-                runs = _runs(results, m, l)
+                runs = [r for r in _runs(results, m, l) if r.get(key)]
                 if not runs:
                     continue
                 n = min(len(r[key]) for r in runs)
                 mean = [statistics.fmean(r[key][i] for r in runs) for i in range(n)]
                 ax.plot([window * (i + 1) for i in range(n)], mean, label=m, color=_color(m))
+            if law and str(l) in law:
+                ax.axhline(law[str(l)][key], color="grey", ls="--", lw=1, label="random law")
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"l = {l}", fontsize=9)
-            else:
+            if row == len(rows) - 1:
                 ax.set_xlabel("step")
-    axes[0][0].set_ylabel("loss (window mean, nats)")
-    axes[1][0].set_ylabel("pretext accuracy (window mean)")
+    for row, (_, label) in enumerate(rows):
+        axes[row][0].set_ylabel(label)
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
     fig.legend(list(handles.values()), list(handles), loc="upper right", fontsize=7)
     n_seeds = _seeds_run(results, methods, ls)

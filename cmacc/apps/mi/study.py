@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from cmacc.metrics import expected_unique
 from data_dali.cli import UserError
 from data_dali.fileio import atomic_write_text
 
@@ -81,7 +82,7 @@ def _resume(path: Path, settings: dict) -> dict:
     """The figures of an earlier study in ``path`` with the same settings (a study resumes:
     its finished runs are kept), or empty ones; a UserError if the settings differ."""
     empty = {"mi": {}, "untrained": {}, "untrained_seen": {}, "pixels": {}, "pixels_seen": {},
-             "runs": {}, "runs_other_pool": {}, "seconds": 0.0}
+             "diversity_law": {}, "runs": {}, "runs_other_pool": {}, "seconds": 0.0}
     if not path.exists():
         return empty
     try:
@@ -95,7 +96,8 @@ def _resume(path: Path, settings: dict) -> dict:
             n = min(len(a), len(b))
             return a[:n] == b[:n]
         if k == "config" and isinstance(a, dict):  # the pool is a setting of each active run
-            return {**a, "pool_mult": None} == {**b, "pool_mult": None}
+            pool = {"pool_mult": None, "pool_mode": None}
+            return {**a, **pool} == {**b, **pool}
         return a == b
     diff = [k for k in settings if not same(k)]
     if diff:
@@ -109,21 +111,39 @@ def _run_done(results, seed, l, m) -> bool:
     return any(r["seed"] == seed for r in results["runs"].get(m, {}).get(str(l), []))
 
 
-def _drop_other_pools(results, pool_mult: int) -> int:
-    """Move the runs of the active samplers that had another pool size out of ``runs`` into
-    ``runs_other_pool`` (kept in mi.json, never deleted; the study trains them again; the
-    random samplers never read the pool and stay). Returns how many were moved."""
-    moved = 0
+def _pool(run) -> tuple:
+    """An active run's pool: (size multiple, mode); runs of older mi.json files, which had no
+    pool mode, had the rolling pool."""
+    return run.get("pool_mult"), run.get("pool_mode", "rolling")
+
+
+def _drop_other_pools(results, cfg: MIConfig) -> int:
+    """Move the runs of the active samplers that had another pool (size or mode) out of
+    ``runs`` into ``runs_other_pool`` (kept in mi.json, never deleted; the study trains them
+    again; the random samplers never read the pool and stay). Returns how many were moved."""
+    moved, pool = 0, (cfg.pool_mult, cfg.pool_mode)
     for m, per_l in results["runs"].items():
         if not selects(m):
             continue
         for l, runs in per_l.items():
-            keep = [r for r in runs if r.get("pool_mult") == pool_mult]
-            other = [r for r in runs if r.get("pool_mult") != pool_mult]
+            keep = [r for r in runs if _pool(r) == pool]
+            other = [r for r in runs if _pool(r) != pool]
             results["runs_other_pool"].setdefault(m, {}).setdefault(l, []).extend(other)
             moved += len(other)
             per_l[l] = keep
     return moved
+
+
+def diversity_law(pairs: MultiOmniglotPairs, m: int) -> dict[str, float]:
+    """What random sampling's enqueue (a uniformly random batch of m training pairs: XMoCo's,
+    SMoCo's) has by chance, per ``train.character_diversity``: E[U_i] / m and
+    E[U_i] / min(m, l_i), E[U_i] the expected distinct characters at position i among m pairs
+    drawn without replacement (``cmacc.metrics.expected_unique``), each the mean over the
+    positions."""
+    e = [expected_unique(torch.bincount(pairs.labels[:, i], minlength=size).tolist(), m)
+         for i, size in enumerate(pairs.sizes)]
+    return {"unique_per_m": sum(u / m for u in e) / len(e),
+            "coverage": sum(u / min(m, size) for u, size in zip(e, pairs.sizes)) / len(e)}
 
 
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
@@ -145,11 +165,11 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                     "complete": False,  # True once every run of the plan is in
                     "machine": machine(),
                     "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)})
-    dropped = _drop_other_pools(results, cfg.pool_mult)
+    dropped = _drop_other_pools(results, cfg)
     if dropped:
-        log(f"{out / 'mi.json'}: {dropped} runs of the active samplers had another pool size "
-            f"than --pool-mult {cfg.pool_mult}; they are trained again (the old ones are kept "
-            "in mi.json under runs_other_pool)")
+        log(f"{out / 'mi.json'}: {dropped} runs of the active samplers had another pool than "
+            f"--pool-mult {cfg.pool_mult} --pool-mode {cfg.pool_mode}; they are trained again "
+            "(the old ones are kept in mi.json under runs_other_pool)")
     todo = plan(chars, seeds, methods, sampler_chars, samplers)
     kept = sum(_run_done(results, *r) for r in todo)
     if kept:
@@ -187,6 +207,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
             continue
         tr, tests = pairs(l)
         results["mi"][str(l)] = tr.mutual_information
+        results["diversity_law"][str(l)] = diversity_law(tr, cfg.batch)
         if str(l) not in results["pixels"]:
             pixels = probe_accuracy(None, tr, tests, n_probe)  # the floor without an encoder
             for k, v in pixels.items():
@@ -206,7 +227,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         acc = probe_accuracy(model, tr, tests, n_probe)
         hist["probe_seconds"] = time.perf_counter() - t0
         if selects(m):
-            hist["pool_mult"] = cfg.pool_mult
+            hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
         results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
             {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
         log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "

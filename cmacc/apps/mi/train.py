@@ -3,13 +3,16 @@ the model of each method, the stop rule and the loop."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
-from cmacc.config import ModelConfig, SelectionConfig
+from cmacc.config import POOL_MODES, ModelConfig, SelectionConfig
+from cmacc.metrics import negative_diversity
 from cmacc.model import CMACC
+from cmacc.trainer import fill_epoch_pools
 
 from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
 from .nets import SmallCNN, augment
@@ -39,6 +42,9 @@ class MIConfig:
     pool_mult: int = 60  # N = pool_mult * M, the candidate pool (paper: 300). It must exceed K
     # by far: the sampler chooses from the pool minus the dictionary, ~N - K candidates. 60:
     # ~K candidates for M picks, ~70 ms a selection on 2 CPU cores (~1 s at 300)
+    pool_mode: str = "rolling"  # rolling: the last N key-encoder outputs; epoch (the paper): N
+    # random training pairs encoded by the key encoders at each epoch start, an epoch being one
+    # pass over the training pairs at batch M (floor(n / M) steps)
     lr: float = 1e-3
     warmup: int = 100  # linear warm-up steps of the learning rate (paper: 500, for 200 epochs)
     tau: float = 0.7
@@ -62,6 +68,8 @@ class MIConfig:
                      "patience", "bn_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.pool_mode not in POOL_MODES:
+            raise ValueError(f"pool_mode must be one of {POOL_MODES}, got {self.pool_mode!r}")
         if self.min_steps < 0:
             raise ValueError(f"min_steps must be >= 0, got {self.min_steps}")
         if self.batch % self.bn_groups:
@@ -76,8 +84,8 @@ class MIConfig:
 
 # the paper's values of MIConfig's fields (§4.1, App. A; docs/DESIGN.md §1), for the report's
 # departures
-PAPER_CONFIG = dict(batch=128, dict_mult=30, pool_mult=300, lr=1e-3, warmup=500, tau=0.7,
-                    momentum=0.999, dim=128)
+PAPER_CONFIG = dict(batch=128, dict_mult=30, pool_mult=300, pool_mode="epoch", lr=1e-3,
+                    warmup=500, tau=0.7, momentum=0.999, dim=128)
 DEPARTURE_WHY = {
     "pool_mult": ": the active selection reads the pool once per pick, 127 picks a step; at "
                  "300 * M it costs ~1 s per dictionary per step on 2 CPU cores, at 60 * M "
@@ -85,6 +93,8 @@ DEPARTURE_WHY = {
                  "candidates: 60 * M leaves ~K = 30 M for M picks (paper: ~270 M). At "
                  "N = K + M (31 * M) only ~M are left and the choice is gone: CM-ACC equalled "
                  "XMoCo within 0.02 at every l there",
+    "pool_mode": ": the rolling pool holds the key-encoder outputs of the last N / M steps' "
+                 "batches; the paper draws N random samples per epoch (--pool-mode epoch)",
     "warmup": ": the paper's warm-up is for 200 epochs of Kinetics; these runs are ~10^3 steps",
 }
 QUICK = dict(batch=32, dict_mult=4, pool_mult=12, warmup=20, min_steps=20, max_steps=60, window=20,
@@ -113,7 +123,8 @@ def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
     mcfg = ModelConfig(objective=objective, batch_size=cfg.batch, dict_size=cfg.dict_size,
                        dim=cfg.dim, fcl=cfg.fcl, fcl_dim=cfg.fcl_dim, momentum=cfg.momentum,
                        tau=cfg.tau, seed=seed)
-    sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch)
+    sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch,
+                          pool_mode=cfg.pool_mode)
     backbones = (SmallCNN(cfg.width, cfg.bn_groups), SmallCNN(cfg.width, cfg.bn_groups))
     cls = ShuffledKeysCMACC if cfg.bn_groups > 1 else CMACC
     model = cls(mcfg, sel, backbones=backbones)
@@ -141,21 +152,69 @@ def loss_plateaued(losses: list[float], cfg: MIConfig) -> bool:
     return plateau_step([-v for v in losses[first:]], cfg.tol, cfg.patience) is not None
 
 
+DIVERSITY = ("unique_per_m", "coverage")
+
+
+def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[str, float]:
+    """Diversity of the negatives one step enqueued (``index``: their pair indices), by the
+    pairs' real characters, position by position: U_i = distinct characters at position i among
+    the M pairs, unique/M = U_i / M and coverage = U_i / min(M, l_i)
+    (``cmacc.metrics.negative_diversity``, the video trainer's metric), each the mean over the
+    l positions. Per position and not per tuple of l characters: from l = 3 there are more
+    tuples than training pairs, so nearly every pair is a class of its own and unique/M of
+    tuples is ~1 whatever a sampler does; a position has l_i <= 55 characters, fewer than M,
+    and its character is what the probe reads. y's character at a position is a bijection of
+    x's, so x's characters count the negatives of both dictionaries."""
+    per = [negative_diversity(index, pairs.labels[:, i], size)
+           for i, size in enumerate(pairs.sizes)]
+    return {k: statistics.fmean(float(d[k]) for d in per) for k in DIVERSITY}
+
+
+class PairsLoader:
+    """The training pairs as the loader ``cmacc.trainer.fill_epoch_pools`` reads: ``set_epoch``
+    picks the order (a seed), iterating gives whole batches of M pairs ({"video": x,
+    "audio": y, "index"}) in that random order, one pass."""
+
+    def __init__(self, pairs: MultiOmniglotPairs, batch: int):
+        if len(pairs) < batch:
+            raise ValueError(f"{len(pairs)} training pairs are fewer than one batch of {batch}")
+        self.pairs, self.batch, self.epoch = pairs, batch, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        perm = torch.randperm(len(self.pairs), generator=torch.Generator().manual_seed(self.epoch))
+        for s in range(0, len(perm) - self.batch + 1, self.batch):  # whole batches: BN groups
+            idx = perm[s:s + self.batch]
+            x, y = self.pairs.batch(idx)
+            yield {"video": x, "audio": y, "index": idx}
+
+
 def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, *,
               log=None) -> tuple[CMACC, dict]:
     """Train to the loss's plateau (or ``cfg.max_steps``). Returns the model and its
-    history: pretext accuracy and loss per window, steps run, why it stopped, seconds."""
+    history: pretext accuracy, loss and the enqueued negatives' diversity
+    (``character_diversity``, mean of the two dictionaries) per window, that diversity's mean
+    over the second half of the steps, steps run, why it stopped, seconds; with epoch pools
+    (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn."""
     model = build_model(method, cfg, seed)
     opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
     g = torch.Generator().manual_seed(seed)
     n = len(train)
     perm, pos = torch.randperm(n, generator=g), 0
-    hist = {"acc": [], "loss": [], "steps": 0, "stop": "max_steps"}
+    epoch_pools = selects(method) and cfg.pool_mode == "epoch"
+    hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "steps": 0,
+            "stop": "max_steps", **({"pool_draws": []} if epoch_pools else {})}
     acc_sum = loss_sum = 0.0
+    div = {k: [] for k in DIVERSITY}  # per step
     t0 = time.perf_counter()
     for step in range(cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
             perm, pos = torch.randperm(n, generator=g), 0
+        if epoch_pools and pos == 0:  # an epoch starts: N random pairs through the key encoders
+            fill_epoch_pools(model, PairsLoader(train, cfg.batch), "cpu", len(hist["pool_draws"]))
+            hist["pool_draws"].append(step)
         idx = perm[pos:pos + cfg.batch]
         pos += cfg.batch
         for group in opt.param_groups:
@@ -171,18 +230,26 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         opt.step()
         acc_sum += float(stats["acc"])
         loss_sum += float(loss.detach())
+        enq = [character_diversity(train, stats[k]) for k in ("enq_index_v", "enq_index_a")]
+        for k in DIVERSITY:
+            div[k].append((enq[0][k] + enq[1][k]) / 2)
         if (step + 1) % cfg.window == 0:
             hist["acc"].append(acc_sum / cfg.window)
             hist["loss"].append(loss_sum / cfg.window)
+            for k in DIVERSITY:
+                hist[k].append(statistics.fmean(div[k][-cfg.window:]))
             acc_sum = loss_sum = 0.0
             if log:
                 log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
-                    f"loss {hist['loss'][-1]:.3f}")
+                    f"loss {hist['loss'][-1]:.3f} negatives' unique/M "
+                    f"{hist['unique_per_m'][-1]:.3f}")
             if loss_plateaued(hist["loss"], cfg):
                 hist["stop"] = "plateau"
                 hist["steps"] = step + 1
                 break
     else:
         hist["steps"] = cfg.max_steps
+    for k in DIVERSITY:  # the second half of the steps run: past the pool warm-up
+        hist[f"{k}_2nd_half"] = statistics.fmean(div[k][hist["steps"] // 2:])
     hist["seconds"] = time.perf_counter() - t0
     return model, hist
