@@ -41,7 +41,8 @@ class MIConfig:
     dict_mult: int = 30  # K = dict_mult * M
     pool_mult: int = 60  # N = pool_mult * M, the candidate pool (paper: 300). It must exceed K
     # by far: the sampler chooses from the pool minus the dictionary, ~N - K candidates. 60:
-    # ~K candidates for M picks, ~70 ms a selection on 2 CPU cores (~1 s at 300)
+    # ~K candidates for M picks; a selection costs ~40 ms on 2 CPU cores (~80-110 ms at 300:
+    # bench/RESULTS.md, "What active sampling costs")
     pool_mode: str = "rolling"  # rolling: the last N key-encoder outputs; epoch (the paper): N
     # random training pairs encoded by the key encoders at each epoch start, an epoch being one
     # pass over the training pairs at batch M (floor(n / M) steps)
@@ -87,8 +88,8 @@ class MIConfig:
 PAPER_CONFIG = dict(batch=128, dict_mult=30, pool_mult=300, pool_mode="epoch", lr=1e-3,
                     warmup=500, tau=0.7, momentum=0.999, dim=128)
 DEPARTURE_WHY = {
-    "pool_mult": ": the active selection reads the pool once per pick, 127 picks a step; at "
-                 "300 * M it costs ~1 s per dictionary per step on 2 CPU cores, at 60 * M "
+    "pool_mult": ": the CPU cost: at 300 * M the two selections of a step take ~160-240 ms "
+                 "on 2 CPU cores (an active step 2-2.7x a random one at l = 3), at 60 * M "
                  "~70 ms. The samplers choose from the pool minus the dictionary, ~N - K "
                  "candidates: 60 * M leaves ~K = 30 M for M picks (paper: ~270 M). At "
                  "N = K + M (31 * M) only ~M are left and the choice is gone: CM-ACC equalled "
