@@ -32,7 +32,9 @@ the few candidates the lazy race touches). Settings:
               AVX-512 BF16)
 
 Per-step figures are means over --steps timed steps after --warmup untimed ones. The ratio
-column is the active step over the random step of the same setting. On a GPU (--device cuda)
+column is the active step over the random step of the same setting; "1 + visible / random" is
+what the selection alone adds (its visible time over the random step), which the noise of the
+two rows' forward/backward times does not move. On a GPU (--device cuda)
 the same rows run with CUDA events (``make gpu-check`` runs them).
 
     python bench/bench_step.py                                  # every row, CPU
@@ -248,8 +250,9 @@ def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, om
             t = time_steps(s, n_steps, warmup, device)
             pair[s.sampler] = t
             row = dict(setting=s.name, sampler=s.sampler, M=s.m, N=s.n_pool, pool=s.pool, **t)
-            if s.sampler == "active":
+            if s.sampler == "active":  # the whole steps' ratio, and the selection's own share
                 row["ratio"] = t["step"] / pair["random"]["step"]
+                row["added"] = 1 + t["visible"] / pair["random"]["step"]
             out.append(row)
             log(_line(row))
 
@@ -280,12 +283,14 @@ def _line(r) -> str:
 
 def markdown(rows) -> str:
     lines = ["| setting | M | N | pool | sampler | step ms | data | fwd+bwd | selection "
-             "(visible / total) | active / random |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "(visible / total) | active / random | 1 + visible / random |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"**{r['ratio']:.2f}x**" if "ratio" in r else ""
+        added = f"{r['added']:.2f}x" if "added" in r else ""
         lines.append(f"| {r['setting']} | {r['M']} | {r['N']:,} | {r['pool']} | {r['sampler']} | "
                      f"{r['step']:.1f} | {r['data']:.1f} | {r['fwd_bwd']:.1f} | "
-                     f"{r['visible']:.1f} / {r['select']:.1f} | {ratio} |")
+                     f"{r['visible']:.1f} / {r['select']:.1f} | {ratio} | {added} |")
     return "\n".join(lines)
 
 

@@ -44,4 +44,5 @@ def test_the_tiny_rows():
     assert [r["sampler"] for r in rows] == ["random", "active"]
     assert rows[1]["active_steps"] == 1.0 and rows[0]["active_steps"] == 0.0
     assert rows[1]["ratio"] == pytest.approx(rows[1]["step"] / rows[0]["step"])
+    assert rows[1]["added"] == pytest.approx(1 + rows[1]["visible"] / rows[0]["step"])
     assert rows[0]["N"] == rows[1]["N"] == 192 and rows[0]["pool"] == "encode"
