@@ -194,13 +194,14 @@ def interval(xs) -> tuple[float, float]:
     return mean, float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
 
 
-def fmt(xs) -> str:
+def fmt(xs, digits=3) -> str:
     mean, half = interval(xs)
-    return f"{mean:.3f} ± {half:.3f}"
+    return f"{mean:.{digits}f} ± {half:.{digits}f}"
 
 
 METHODS = ("head-exact", "head", "queries", "random")
 MEASURES = ("unique/M", "coverage", "collision")
+DIGITS = (3, 3, 4)  # collision ~ 1/l_i ~ 0.024: one more digit
 
 
 def _cells(results):
@@ -229,7 +230,8 @@ def tables(results) -> list[str]:
             vals = {k: [r[k][j] for r in rs] for k in METHODS}
             diff = [a - b for a, b in zip(vals["head-exact"], vals["head"])]
             out.append(f"| {enc_name} | {mult} M | D_{dic} | "
-                       + " | ".join(fmt(vals[k]) for k in METHODS) + f" | {fmt(diff)} |")
+                       + " | ".join(fmt(vals[k], DIGITS[j]) for k in METHODS)
+                       + f" | {fmt(diff, DIGITS[j])} |")
     return out
 
 
@@ -255,9 +257,10 @@ def pooled(results) -> list[str]:
         cells = [fmt(per_rep(reps, lambda r, k=k: r[k]))
                  for k in ("overlap exact-head", "overlap head-head'")]
         for j, _ in enumerate(MEASURES):
-            cells += [fmt(per_rep(reps, lambda r, k=k: r[k][j]))
+            cells += [fmt(per_rep(reps, lambda r, k=k: r[k][j]), DIGITS[j])
                       for k in ("head-exact", "head", "random")]
-            cells.append(fmt(per_rep(reps, lambda r: r["head-exact"][j] - r["head"][j])))
+            cells.append(fmt(per_rep(reps, lambda r: r["head-exact"][j] - r["head"][j]),
+                             DIGITS[j]))
         out.append(f"| {state} | {mult} M | {len(reps)} | " + " | ".join(cells) + " |")
     return out
 
