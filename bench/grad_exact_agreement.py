@@ -17,7 +17,9 @@ D_a (y keys; x queries). Every method picks M of the N candidates (no dictionary
 
 Figures per (encoder, N, dictionary), mean and 95 % t-interval over the replicates:
 - overlap |S_exact & S_head| / M at the same seed, and for scale |S_head(r) & S_head(r')| / M
-  (the same law, another seed's race on the same pool);
+  (the same law, another seed's race on the same pool) and the overlap of each with "race",
+  the same seed's exponential race over equal distances (what shared random numbers alone
+  make common: ``_race``);
 - diversity of the picks by the real characters: per grid position, distinct characters / M
   ("unique/M") and distinct characters / alphabet size ("coverage"), averaged over the l
   positions; the paired difference exact - head.
@@ -121,7 +123,17 @@ def picks(keys, other, m, seed, tau_p):
                                          view="head"),
         "queries": ref.select(keys, q, None, m, seed=seed, tau=tau_p, view="queries"),
         "random": torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:m],
+        "race": _race(n, m, seed),
     }
+
+
+def _race(n, m, seed):
+    """The picks of the same seeding with every distance equal (D = 0 after the first pick):
+    the exponential race alone, with the same uniforms. Methods that draw with the same seed
+    share picks with it, and with each other, in so far as their D_n are flat: that much of
+    their overlap is the shared random numbers, not agreeing embeddings."""
+    ones = torch.ones(n, 1)
+    return ref.kmeanspp(ones, ones, m, seed=seed)
 
 
 def diversity(labels, sizes) -> tuple[float, float, float]:
@@ -178,6 +190,8 @@ def replicate(enc, n_pool, sizes, rep, pool_mults, m, tau_p):
             row["overlap exact-head"] = len(sets["head-exact"] & sets["head"]) / m
             row["overlap head-head'"] = len(sets["head"] & sets["head, another seed"]) / m
             row["overlap exact-queries"] = len(sets["head-exact"] & sets["queries"]) / m
+            row["overlap exact-race"] = len(sets["head-exact"] & sets["race"]) / m
+            row["overlap head-race"] = len(sets["head"] & sets["race"]) / m
             rows.append(row)
     return rows
 
@@ -217,12 +231,14 @@ def tables(results) -> list[str]:
     """Markdown: the overlaps and cosines, then one table per measure of diversity with each
     method's mean and the paired difference exact - head (95 % t-intervals over the
     replicates)."""
+    keys = ("overlap exact-head", "overlap head-head'", "overlap exact-queries",
+            "overlap exact-race", "overlap head-race", "cos_exact_head")
     out = ["| encoder | N | dict | overlap exact∩head | overlap head∩head' | "
-           "overlap exact∩queries | cos(g_exact, g_head) |", "|---|---|---|---:|---:|---:|---:|"]
+           "overlap exact∩queries | overlap exact∩race | overlap head∩race | "
+           "cos(g_exact, g_head) |", "|---|---|---|" + "---:|" * len(keys)]
     for enc_name, mult, dic, rs in _cells(results):
         out.append(f"| {enc_name} | {mult} M | D_{dic} | " + " | ".join(
-            fmt([r[k] for r in rs]) for k in ("overlap exact-head", "overlap head-head'",
-                                              "overlap exact-queries", "cos_exact_head")) + " |")
+            fmt([r[k] for r in rs]) if k in rs[0] else "—" for k in keys) + " |")
     for j, meas in enumerate(MEASURES):
         out += ["", f"{meas}:", "", "| encoder | N | dict | " + " | ".join(METHODS)
                 + " | exact − head (paired) |", "|---|---|---|" + "---:|" * (len(METHODS) + 1)]
@@ -250,12 +266,16 @@ def pooled(results) -> list[str]:
     def per_rep(reps, get):
         return [sum(get(r) for r in rs) / len(rs) for rs in reps.values()]
 
+    overlaps = ("overlap exact-head", "overlap head-head'", "overlap exact-race",
+                "overlap head-race")
     out = ["| encoder | N | replicates | overlap exact∩head | overlap head∩head' | "
+           "overlap exact∩race | overlap head∩race | "
            + " | ".join(f"{meas}: exact | head | random | exact − head" for meas in MEASURES)
-           + " |", "|---|---|---:|" + "---:|" * (2 + 4 * len(MEASURES))]
+           + " |", "|---|---|---:|" + "---:|" * (len(overlaps) + 4 * len(MEASURES))]
     for (state, mult), reps in groups.items():
-        cells = [fmt(per_rep(reps, lambda r, k=k: r[k]))
-                 for k in ("overlap exact-head", "overlap head-head'")]
+        have = next(iter(reps.values()))[0]
+        cells = [fmt(per_rep(reps, lambda r, k=k: r[k])) if k in have else "—"
+                 for k in overlaps]
         for j, _ in enumerate(MEASURES):
             cells += [fmt(per_rep(reps, lambda r, k=k: r[k][j]), DIGITS[j])
                       for k in ("head-exact", "head", "random")]
