@@ -4,25 +4,34 @@ l = 3), the active selection over the exact gradient embedding (through q = W h 
 left out), the `queries` view and random picks.
 
     python bench/grad_exact_agreement.py --omniglot ROOT [--out runs/grad_exact] \\
-        [--net-seeds 0] [--steps 600] [--pool-mults 60 300] [--reps 8]
+        [--net-seeds 0] [--steps 600] [--encoders untrained trained] [--pool-mults 60 300] \\
+        [--reps 8] [--tau-p 1] [--threads 1]
 
-Per net seed, two encoders: the untrained one (``build_model``'s initial weights) and CM-ACC
-trained ``--steps`` steps at l = 3 with the MI study's settings (``MIConfig``; the checkpoint
-is saved in ``--out`` and loaded by a re-run). Per replicate r: a fresh candidate pool of
-N = pool_mult * M random training pairs, encoded by the key encoders as the rolling pool is
-(train-mode BN, shuffled, batches of M), a fresh batch of M pairs for the queries, their
-pre-head features and pre-normalisation head outputs (query encoders, train mode), and the
-selection seed r. Both dictionaries: D_v (candidates: x keys; pseudo-labels: y queries) and
-D_a (y keys; x queries). Every method picks M of the N candidates (no dictionary exclusion).
+Per net seed, two encoders (``--encoders``): the untrained one (``build_model``'s initial
+weights) and CM-ACC trained ``--steps`` steps at l = 3 with the MI study's settings
+(``MIConfig``; the checkpoint is saved in ``--out`` and loaded by a re-run, and so are each
+encoder's rows). Per encoder, one bank (``bank``): the key encoders' outputs for
+max(pool_mults) * M training pairs, encoded as the rolling pool receives them (train-mode
+BN, shuffled, batches of M), and ``--reps`` batches of M more pairs with their queries,
+pre-head features and pre-normalisation head outputs (query encoders, train mode).
+Replicate r takes batch r, selection seed r and, as its pool of N = pool_mult * M
+candidates, slice r mod (bank / N) of the bank (at the largest N, the whole bank). Both
+dictionaries: D_v (candidates: x keys; pseudo-labels: y queries) and D_a (y keys;
+x queries). Every method picks M of the N candidates (no dictionary exclusion).
 
 Figures per (encoder, N, dictionary), mean and 95 % t-interval over the replicates:
 - overlap |S_exact & S_head| / M at the same seed, and for scale |S_head(r) & S_head(r')| / M
   (the same law, another seed's race on the same pool) and the overlap of each with "race",
   the same seed's exponential race over equal distances (what shared random numbers alone
   make common: ``_race``);
-- diversity of the picks by the real characters: per grid position, distinct characters / M
-  ("unique/M") and distinct characters / alphabet size ("coverage"), averaged over the l
-  positions; the paired difference exact - head.
+- diversity of the picks by the real characters (``diversity``): unique/M, coverage and
+  collision, per grid position averaged over the l positions; the paired difference
+  exact - head;
+- the cosine between the exact and the head-view embedding, and the factored exact distances
+  against the materialised ones, on 1,000 candidates (``embedding_check``).
+
+Tables pool the net seeds (each replicate the mean of its two dictionaries), then per net
+seed and dictionary. docs/FIDELITY.md §6 has the commands and figures.
 
 Writes ``grad_exact.json`` and ``grad_exact.md`` in ``--out``; the Markdown names the data,
 the checkpoints (steps), the seeds and the commit.
