@@ -16,6 +16,17 @@ g_n = alpha_n (x) beta_n, never materialised here:
 
 and ||g_n - g_c||^2 = |a_n|^2 |b_n|^2 + |a_c|^2 |b_c|^2 - 2 (a_n . a_c)(b_n . b_c).
 
+Which gradient the head view is. The encoder's query is q_j = (W h_j + b) / |W h_j + b|
+(cmacc/encoders.py), and r_n is taken at the logits of those normalised queries. The head view
+then differentiates as if q_j = W h_j: g_n = k_n (H^T r_n)^T / tau is dCE/dW of CE on the
+logits k_n . (W h_j) / tau with the residual evaluated at the normalised logits -- the exact
+gradient with the normalisation's Jacobian (I - q_j q_j^T) / |W h_j + b| replaced by the
+identity (autograd: a straight-through normalisation, ``grad_embed_autograd(...,
+query="straight-through")``). That keeps it rank 1. The exact gradient through the
+normalisation ("head-exact": ``exact_factors``, ``grad_embed_exact``, ``select_exact``;
+reference only) is a rank-1 term plus a term in the span of the M products q_j h_j^T, and is
+selected on d + 3M floats a candidate; docs/FIDELITY.md §6 measures how much its picks differ.
+
 The selection path (``select_factors``, ``select``) needs only those dot products, so in the
 head view with d_h > M it never forms H^T r_n: with the Gram matrix G = H H^T (M x M) it keeps
 beta_n = r_n / tau (M) and a centre-side factor bc_n = G r_n / tau (M), and
@@ -41,21 +52,28 @@ small pool those steps run with one BLAS thread (``_blas_threads``).
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 __all__ = [
+    "ExactFactors",
+    "exact_factors",
     "grad_embed",
+    "grad_embed_exact",
     "grad_embed_autograd",
     "hash_to_uniform",
     "kmeanspp",
     "kmeanspp_dense",
+    "kmeanspp_exact",
     "materialise",
+    "pairwise_sqdist_exact",
     "pairwise_sqdist_factored",
     "row_space_factor",
     "seed32",
     "select",
+    "select_exact",
     "select_factors",
     "step_key",
     "uniform_hash",
@@ -232,6 +250,13 @@ def grad_embed(
     """Factors (alpha [N, a], beta [N, b]), fp32, of the last-layer gradient embeddings
     g_n = alpha_n (x) beta_n (module docstring). Inputs of any float dtype; math in fp32.
 
+    Which gradient (head view): dCE/dW of CE on the logits k_n . (W h_j) / tau, i.e. as if
+    q_j = W h_j, with the residual r_n evaluated at the logits of ``queries`` -- the encoder's
+    normalised queries in training. Given q_j = W h_j it is that gradient exactly; given the
+    normalised q_j it leaves out the normalisation's Jacobian (I - q_j q_j^T) / |W h_j + b|
+    (``grad_embed_autograd(..., query="straight-through")``). The gradient through the
+    normalisation is ``grad_embed_exact``.
+
     ``compress=True`` (``head`` view only): beta is returned in the row space of H,
     beta'_n = R_H r_n / tau with H^T = Q_H R_H (thin QR), whenever d_h > M. Dot products and
     norms of beta' equal those of beta, so it is a materialisable compressed embedding with
@@ -282,6 +307,10 @@ def select_factors(
 
     and sqn_n = |alpha_n|^2 (beta_n . bc_n) = |g_n|^2 (bc = beta_c, or beta when None):
     |r|^2 |k|^2 / tau^2, |k|^2 |beta|^2 and |k|^2 (beta . beta_c) respectively.
+
+    The head view's gradient is ``grad_embed``'s: the normalisation's Jacobian left out (r at
+    the normalised logits, differentiated as if q_j = W h_j). ``select_exact`` selects over the
+    gradient through the normalisation.
     """
     _check_grad_embed_args(keys, queries, feats, tau, view)
     k = keys.float()  # [N, d]
@@ -302,6 +331,109 @@ def select_factors(
     return alpha, beta, beta_c, sqn
 
 
+# ----------------------------------------------------------------------------------------------
+# The exact gradient through the query's L2 normalisation ("head-exact"; issue 27, item 1)
+# ----------------------------------------------------------------------------------------------
+# The encoder's query is q_j = z_j / nu_j with z_j = W h_j (+ b) and nu_j = |z_j|
+# (cmacc/encoders.py). Through that normalisation, with u_nj = r_nj / (tau nu_j) and
+# s_nj = q_j . k_n (the unscaled cosine), the gradient of CE(p_n, yhat_n) w.r.t. W is
+#
+#     g_n = sum_j u_nj (I - q_j q_j^T) k_n h_j^T = k_n (H^T u_n)^T - sum_j w_nj q_j h_j^T,
+#     w_n = s_n o u_n                                                    (o: elementwise)
+#
+# a rank-1 term plus a term in the span of the M products q_j h_j^T: no longer rank 1. With the
+# Gram matrices G = H H^T and C = Q Q^T (M x M) and z_n = s_n o (G u_n), inner products stay
+# factored:
+#
+#     <g_n, g_c> = (k_n . k_c)(u_n^T G u_c) - w_n . z_c - z_n . w_c + w_n^T (G o C) w_c
+#
+# so a candidate needs d + 3M floats (k_n, u_n, w_n, z_n) and a centre two M x M products.
+class ExactFactors(NamedTuple):
+    """Per-candidate factors of the exact embedding (fp32): k [N, d], u [N, M], w [N, M],
+    z [N, M]; the shared gram = G [M, M] and gram_qc = G o C [M, M]; sqn = |g_n|^2 [N]."""
+
+    k: torch.Tensor
+    u: torch.Tensor
+    w: torch.Tensor
+    z: torch.Tensor
+    gram: torch.Tensor
+    gram_qc: torch.Tensor
+    sqn: torch.Tensor
+
+
+def _check_exact_args(keys, head_out, feats, tau):
+    """The exact embedding's inputs: keys [N, d], head_out [M, d] (W h_j + b, before the
+    normalisation), feats [M, d_h]."""
+    _check_grad_embed_args(keys, head_out, feats, tau, "head")
+
+
+def _exact_parts(keys, head_out, feats, tau):
+    """fp32 k [N, d], q [M, d] (normalised), u [N, M], w [N, M] and H [M, d_h] (see above)."""
+    _check_exact_args(keys, head_out, feats, tau)
+    k = keys.float()  # [N, d]
+    zq = head_out.float()  # [M, d]
+    nu = zq.norm(dim=1)  # [M]  |W h_j + b|
+    q = zq / nu[:, None]  # [M, d]  the encoder's query
+    s = k @ q.t()  # [N, M]  s_nj = q_j . k_n
+    u = _residual(k, q, tau).div_(nu * tau)  # [N, M]  r_nj / (tau nu_j)
+    return k, q, u, s.mul_(u), feats.float()
+
+
+def exact_factors(
+    keys: torch.Tensor,  # [N, d]
+    head_out: torch.Tensor,  # [M, d] the head's outputs W h_j + b before the L2 normalisation
+    feats: torch.Tensor,  # [M, d_h]
+    *,
+    tau: float = 1.0,
+) -> ExactFactors:
+    """Factors of the exact ("head-exact") gradient embedding: dCE/dW of the pseudo-label loss
+    on the logits k_n . q_j / tau with q_j = (W h_j + b) / |W h_j + b| *through* the
+    normalisation (the section comment above has the algebra). ``head_out`` must be the
+    pre-normalisation output: the queries are its rows normalised, and |W h_j + b| scales u.
+    Inputs of any float dtype; math in fp32. The bias gets no embedding (as in the head view)."""
+    k, q, u, w, f = _exact_parts(keys, head_out, feats, tau)
+    gram = f @ f.t()  # [M, M]  G = H H^T
+    gram_qc = gram * (q @ q.t())  # [M, M]  G o C
+    ug = u @ gram  # [N, M]  (G u_n)^T
+    s = k @ q.t()  # [N, M]
+    z = s * ug  # [N, M]  z_n = s_n o (G u_n)
+    sqn = (k * k).sum(1) * (u * ug).sum(1) - 2.0 * (w * z).sum(1) + (w * (w @ gram_qc)).sum(1)
+    return ExactFactors(k, u, w, z, gram, gram_qc, sqn)
+
+
+def grad_embed_exact(
+    keys: torch.Tensor,  # [N, d]
+    head_out: torch.Tensor,  # [M, d] W h_j + b, before the normalisation
+    feats: torch.Tensor,  # [M, d_h]
+    *,
+    tau: float = 1.0,
+) -> torch.Tensor:
+    """The exact embeddings materialised from the closed form, fp32 [N, d * d_h]:
+    g_n = k_n (H^T u_n)^T - Q^T diag(w_n) H (tests, and selection over small pools:
+    ``kmeanspp_dense``). ``grad_embed_exact_autograd`` is its independent reference."""
+    k, q, u, w, f = _exact_parts(keys, head_out, feats, tau)
+    g = k[:, :, None] * (u @ f)[:, None, :]  # [N, d, d_h]  k_n (H^T u_n)^T
+    g -= torch.einsum("nj,jd,jh->ndh", w, q, f)  # sum_j w_nj q_j h_j^T
+    return g.reshape(k.shape[0], -1)
+
+
+def pairwise_sqdist_exact(f: ExactFactors, centres: torch.Tensor) -> torch.Tensor:
+    """||g_n - g_c||^2 [N, C] of the exact embeddings from their factors, for the candidates
+    ``centres`` (long [C]), fp32, clamped at 0."""
+    cols = [x[centres].t() for x in (f.k, f.u, f.w, f.z)]  # [d, C], [M, C] x 3
+    cross = _exact_cross(f.k, f.u, f.w, f.z, f.gram, f.gram_qc, *cols)  # [N, C]
+    return (f.sqn[:, None] + f.sqn[centres][None, :] - 2.0 * cross).clamp_min(0.0)
+
+
+def _exact_cross(k, u, w, z, gram, gram_qc, kc, uc, wc, zc):
+    """<g_n, g_c> [N] for one centre (kc [d], uc, wc, zc [M]) or [N, C] for C centres (the
+    same as columns: [d, C], [M, C]); torch tensors or numpy arrays alike. Four products over
+    the pool, d + 3M floats a candidate; the centre's two M x M products are negligible."""
+    return ((k @ kc) * (u @ (gram @ uc))  # (k_n . k_c)(u_n^T G u_c)
+            - z @ wc  # z_n . w_c
+            + w @ (gram_qc @ wc - zc))  # w_n^T (G o C) w_c - w_n . z_c
+
+
 def grad_embed_autograd(
     keys: torch.Tensor,
     queries_or_head: torch.Tensor,
@@ -309,23 +441,46 @@ def grad_embed_autograd(
     *,
     tau: float = 1.0,
     view: str = "head",
+    query: str = "linear",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Materialised gradient embeddings by torch.autograd, one candidate at a time (tests only).
 
-    view="head":    ``queries_or_head`` is the head weight W [d, d_h]; q_j = W h_j; returns
-                    dCE/dW flattened, [N, d * d_h].
+    view="head":    ``queries_or_head`` is the head weight W [d, d_h], z_j = W h_j (+ ``bias``);
+                    returns dCE/dW flattened, [N, d * d_h], of CE on the logits k_n . q_j / tau
+                    with the pseudo-label yhat_n = argmax_j of those logits, where ``query``
+                    picks q_j:
+                    "linear":           q_j = z_j (the unnormalised head output);
+                    "normalised":       q_j = z_j / |z_j|, differentiated through the
+                                        normalisation: the exact gradient (``grad_embed_exact``);
+                    "straight-through": q_j takes the value z_j / |z_j| but is differentiated
+                                        as if q_j = z_j (the normalisation's Jacobian left out):
+                                        what the head view computes from the encoder's queries.
     view="queries": ``queries_or_head`` is Q [M, d]; returns dCE/dQ flattened, [N, M * d].
     Runs in the dtype of its inputs (use float64 for a tight reference)."""
+    if query not in _AUTOGRAD_QUERIES:
+        raise ValueError(f"grad_embed_autograd: query={query!r} is not one of {_AUTOGRAD_QUERIES}")
     out = []
     for n in range(keys.shape[0]):
         w = queries_or_head.detach().clone().requires_grad_(True)
-        q = feats @ w.t() if view == "head" else w  # [M, d]
+        q = _autograd_query(w, feats, bias, query) if view == "head" else w  # [M, d]
         s = (keys[n] @ q.t()) / tau  # [M]
         target = s.detach().argmax()
         loss = torch.nn.functional.cross_entropy(s[None], target[None])
         (g,) = torch.autograd.grad(loss, w)
         out.append(g.reshape(-1))
     return torch.stack(out)
+
+
+_AUTOGRAD_QUERIES = ("linear", "normalised", "straight-through")
+
+
+def _autograd_query(w, feats, bias, query):
+    z = feats @ w.t() + (0 if bias is None else bias)  # [M, d]
+    if query == "linear":
+        return z
+    qn = torch.nn.functional.normalize(z, dim=1)  # the encoder's query
+    return qn if query == "normalised" else z + (qn - z).detach()
 
 
 def materialise(alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -596,3 +751,47 @@ def select(
     alpha, beta, beta_c, sqn = select_factors(keys, queries, feats, tau=tau, view=view)
     return kmeanspp(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
                     beta_c=beta_c, sqn=sqn)
+
+
+def kmeanspp_exact(
+    f: ExactFactors,
+    k: int,
+    *,
+    seed: int,
+    exclude: torch.Tensor | None = None,  # bool [N]
+    validate: bool = True,
+) -> torch.Tensor:
+    """k distinct indices (long [k]) by the same k-means++ seeding as ``kmeanspp`` (same RNG,
+    same race, same rules for excluded and non-finite candidates) over the exact embeddings,
+    with factored fp32 distances d(n, c) = max(sqn_n + sqn_c - 2 <g_n, g_c>, 0) (the section
+    comment above ``ExactFactors``): one pass over d + 3M floats a candidate per step."""
+    n = f.sqn.shape[0]
+    if any(x.dim() != 2 or x.shape[0] != n for x in (f.k, f.u, f.w, f.z)):
+        raise ValueError("kmeanspp_exact: the factors k, u, w, z must be [N, .] with the N of "
+                         f"sqn ({n}); build them with exact_factors")
+    unavailable = _unavailable(f.sqn, exclude, k, validate)
+    kk, u, w, z, gram, gram_qc = _host(f.k, f.u, f.w, f.z, f.gram, f.gram_qc)
+
+    def cross_to(c):
+        return _exact_cross(kk, u, w, z, gram, gram_qc, kk[c], u[c], w[c], z[c])  # [N]
+
+    with _blas_threads(n * (f.k.shape[1] + 3 * f.u.shape[1]), f.k.device):
+        return _kmeanspp_loop(k, seed, unavailable, f.sqn, cross_to)
+
+
+def select_exact(
+    keys: torch.Tensor,  # [N, d]
+    head_out: torch.Tensor,  # [M, d] W h_j + b, before the normalisation
+    feats: torch.Tensor,  # [M, d_h]
+    k: int,
+    *,
+    seed: int,
+    tau: float = 1.0,
+    exclude: torch.Tensor | None = None,  # bool [N]
+    validate: bool = True,
+) -> torch.Tensor:
+    """The selection over the exact ("head-exact") gradient embedding: ``exact_factors`` +
+    ``kmeanspp_exact``. Reference only (no Triton kernel; not a ``select`` view). Returns k
+    distinct long indices into ``keys``."""
+    return kmeanspp_exact(exact_factors(keys, head_out, feats, tau=tau), k, seed=seed,
+                          exclude=exclude, validate=validate)

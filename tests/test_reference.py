@@ -1,4 +1,5 @@
-"""kernels/reference.py against independent references: torch.autograd (float64), materialised
+"""kernels/reference.py against independent references: torch.autograd (float64; also through
+the query's L2 normalisation, and straight-through to pin down the head view), materialised
 embeddings, the k-means++ D^2 law (chi-square over many seeds), and a pure-Python-int murmur3
 for the counter-based RNG."""
 
@@ -50,6 +51,90 @@ def test_grad_embed_queries_equals_autograd(n, m, d, dh, tau):
     want = ref.grad_embed_autograd(keys, queries, None, tau=tau, view="queries")  # [N, M*d]
     torch.testing.assert_close(ref.materialise(alpha.double(), beta.double()), want,
                                rtol=1e-5, atol=1e-6)
+
+
+
+# -- the exact gradient through the query's L2 normalisation ("head-exact"), and which gradient
+# the head view is (autograd through a straight-through normalisation) ------------------------
+def _exact_inputs(n, m, d, dh, seed=0, dtype=torch.float64):
+    keys, feats, w = _inputs(n, m, d, dh, seed=seed, dtype=dtype)
+    g = torch.Generator().manual_seed(seed + 100)
+    return keys, feats, w, 0.3 * torch.randn(d, generator=g, dtype=dtype)  # bias b
+
+
+@pytest.mark.parametrize("n,m,d,dh", SHAPES)
+@pytest.mark.parametrize("tau", [1.0, 0.3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_exact_embedding_equals_autograd_through_the_normalisation(n, m, d, dh, tau, with_bias):
+    keys, feats, w, bias = _exact_inputs(n, m, d, dh)
+    bias = bias if with_bias else None
+    head_out = feats @ w.t() + (0 if bias is None else bias)  # z_j = W h_j + b
+    want = ref.grad_embed_autograd(keys, w, feats, tau=tau, query="normalised", bias=bias)
+    got = ref.grad_embed_exact(keys, head_out, feats, tau=tau)
+    assert got.dtype == torch.float32 and got.shape == (n, d * dh)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    f = ref.exact_factors(keys, head_out, feats, tau=tau)
+    torch.testing.assert_close(f.sqn.double(), (want * want).sum(1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,m,d,dh", SHAPES)
+@pytest.mark.parametrize("tau", [1.0, 0.3])
+def test_head_view_is_the_gradient_with_the_normalisation_jacobian_left_out(n, m, d, dh, tau):
+    """From the encoder's (normalised) queries, the head view is dCE/dW of CE on k . (W h) / tau
+    with the residual taken at the normalised logits: autograd through a straight-through
+    normalisation (value z/|z|, derivative of z). It is not the exact gradient."""
+    keys, feats, w = _inputs(n, m, d, dh)
+    q = torch.nn.functional.normalize(feats @ w.t(), dim=1)  # the encoder's queries
+    alpha, beta = ref.grad_embed(keys, q, feats, tau=tau, view="head")
+    got = ref.materialise(alpha.double(), beta.double())
+    st = ref.grad_embed_autograd(keys, w, feats, tau=tau, query="straight-through")
+    torch.testing.assert_close(got, st, rtol=1e-5, atol=1e-6)
+    exact = ref.grad_embed_autograd(keys, w, feats, tau=tau, query="normalised")
+    assert (got - exact).norm() > 0.1 * exact.norm()  # the two gradients differ materially
+
+
+@pytest.mark.parametrize("n,m,d,dh", SHAPES)
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_exact_factored_distances_equal_materialised(n, m, d, dh, tau):
+    keys, feats, w, bias = _exact_inputs(n, m, d, dh, seed=1)
+    head_out = feats @ w.t() + bias
+    g = ref.grad_embed_autograd(keys, w, feats, tau=tau, query="normalised", bias=bias)
+    want = torch.cdist(g, g).square()  # [N, N] float64, materialised
+    f = ref.exact_factors(keys, head_out, feats, tau=tau)
+    centres = torch.arange(n).flip(0)[: max(2, n // 2)]
+    got = ref.pairwise_sqdist_exact(f, centres)  # [N, C]
+    torch.testing.assert_close(got.double(), want[:, centres], rtol=1e-4,
+                               atol=1e-6 * float(want.max()))
+
+
+@pytest.mark.parametrize("numpy_loop", [True, False])
+def test_exact_selection_equals_kmeanspp_dense_on_materialised(numpy_loop, monkeypatch):
+    """Same picks as the plain seeding over the materialised exact embeddings (same seed):
+    the factored cross products draw the same race, in numpy and in torch."""
+    monkeypatch.setattr(ref, "_NUMPY_ON_CPU", numpy_loop)
+    n, m, d, dh = 150, 8, 12, 20
+    keys, feats, w, bias = _exact_inputs(n, m, d, dh, seed=2, dtype=torch.float32)
+    head_out = feats @ w.t() + bias
+    g = ref.grad_embed_autograd(keys.double(), w.double(), feats.double(), tau=0.7,
+                                query="normalised", bias=bias.double())
+    ex = torch.zeros(n, dtype=torch.bool)
+    ex[::7] = True
+    for seed in range(4):
+        got = ref.select_exact(keys, head_out, feats, m, seed=seed, tau=0.7, exclude=ex)
+        assert torch.equal(got, ref.kmeanspp_dense(g, m, seed=seed, exclude=ex))
+        assert len(set(got.tolist())) == m and not ex[got].any()
+
+
+def test_exact_rejects_bad_input():
+    keys, feats, w, _ = _exact_inputs(5, 4, 3, 6)
+    with pytest.raises(ValueError, match="feats"):
+        ref.exact_factors(keys, feats @ w.t(), feats[:3])
+    with pytest.raises(ValueError, match="key dim"):
+        ref.select_exact(keys[:, :2], feats @ w.t(), feats, 2, seed=0)
+    with pytest.raises(ValueError, match="query="):
+        ref.grad_embed_autograd(keys, w, feats, query="unit")
+    with pytest.raises(ValueError, match="asked for k=6"):
+        ref.select_exact(keys, feats @ w.t(), feats, 6, seed=0)
 
 
 def test_grad_embed_rejects_bad_input():
