@@ -50,7 +50,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import reference as ref
+# names, not the package: ``kernels`` imports this module (one import direction)
+from .reference import (_RNG_STEPS, _blas_threads, _check_factors, _check_kmeanspp_args,
+                        _sqnorm, uniform_hash_steps)
 
 __all__ = ["kmeanspp_lazy"]
 
@@ -73,21 +75,21 @@ def kmeanspp_lazy(
     lazy exponential race (module docstring). ``stats``, if given, receives ``touched``: the
     candidates whose bound reached the drawn score after the first full pass, summed over the
     steps."""
-    ref._check_factors(alpha, beta, beta_c, sqn)
+    _check_factors(alpha, beta, beta_c, sqn)
     if alpha.device.type != "cpu":
         raise ValueError(f"kmeanspp_lazy: CPU tensors only, got {alpha.device}")
-    a = alpha.float().numpy()  # [N, a] (a view when already fp32)
-    b = beta.float().numpy()  # [N, b]
-    bc = b if beta_c is None else beta_c.float().numpy()  # [N, b]
-    sq = (ref._sqnorm(alpha.float(), beta.float(), torch.from_numpy(bc)) if sqn is None
-          else sqn.float()).numpy()  # [N]
+    a = alpha.detach().float().numpy()  # [N, a] (a view when already fp32)
+    b = beta.detach().float().numpy()  # [N, b]
+    bc = b if beta_c is None else beta_c.detach().float().numpy()  # [N, b]
+    sq = (_sqnorm(torch.from_numpy(a), torch.from_numpy(b), torch.from_numpy(bc))
+          if sqn is None else sqn.detach().float()).numpy()  # [N]
     n = sq.shape[0]
     # in numpy: a torch op here would wait on torch's thread pool, woken beside BLAS threads
     unavailable = ~np.isfinite(sq)  # [N] bool
-    ref._check_kmeanspp_args(n, k, exclude, "cpu", validate,
+    _check_kmeanspp_args(n, k, exclude, "cpu", validate,
                              nonfinite=torch.from_numpy(unavailable))
     if exclude is not None:
-        unavailable |= exclude.numpy().astype(bool, copy=False)
+        unavailable |= exclude.detach().numpy().astype(bool, copy=False)
     inf = np.float32(np.inf)
 
     dmin = np.where(unavailable, -inf, inf).astype(np.float32)  # [N] stale min distances
@@ -121,14 +123,14 @@ def kmeanspp_lazy(
 
     # One BLAS thread: each step's products are tiny, and an idle BLAS thread left spinning
     # slows torch's next parallel op on the same cores (the training step that follows).
-    with ref._blas_threads(0, "cpu"), np.errstate(invalid="ignore", over="ignore",
+    with _blas_threads(0, "cpu"), np.errstate(invalid="ignore", over="ignore",
                                                    divide="ignore"):
         for step in range(k):
-            j = step % ref._RNG_STEPS
+            j = step % _RNG_STEPS
             if j == 0:
                 # the hash in torch (its threads; numpy's passes are single-threaded): the same
                 # bits as the reference's numpy uniforms (tests/test_reference.py)
-                u = ref.uniform_hash_steps(seed, step, min(ref._RNG_STEPS, k - step), n).numpy()
+                u = uniform_hash_steps(seed, step, min(_RNG_STEPS, k - step), n).numpy()
                 one_minus_u = np.float32(1.0) - u  # exact: U is a multiple of 2^-24 in (0, 1)
             if step == 0:  # a uniform draw among the available candidates
                 c = int(np.where(dmin > 0, np.log(u[0]), dmin).argmax())
