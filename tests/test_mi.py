@@ -422,6 +422,8 @@ def test_random_sampling_diversity_follows_its_law():
            "coverage": sum(u / min(m, s) for u, s in zip(e, sizes)) / 3}
     assert mi.diversity_law(pairs, m) == pytest.approx(law, rel=1e-9)
     assert hist["steps"] == 60 and len(hist["unique_per_m"]) == 3  # windows of 20 steps
+    # CPU time is recorded beside the wall time: positive, at most the wall time per thread
+    assert 0 < hist["cpu_seconds"] <= hist["seconds"] * (torch.get_num_threads() + 1) + 0.5
     for k in ("unique_per_m", "coverage"):
         # per step sd of the mean over 3 positions ~0.03: over 60 steps ~0.004, 30 ~0.006
         assert sum(hist[k]) / 3 == pytest.approx(law[k], abs=0.015)

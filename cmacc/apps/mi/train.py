@@ -197,7 +197,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     """Train to the loss's plateau (or ``cfg.max_steps``). Returns the model and its
     history: pretext accuracy, loss and the enqueued negatives' diversity
     (``character_diversity``, mean of the two dictionaries) per window, that diversity's mean
-    over the second half of the steps, steps run, why it stopped, seconds; with epoch pools
+    over the second half of the steps, steps run, why it stopped, seconds (wall) and
+    cpu_seconds (this process's CPU time: the cost on a shared host); with epoch pools
     (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn."""
     model = build_model(method, cfg, seed)
     opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
@@ -209,7 +210,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
             "stop": "max_steps", **({"pool_draws": []} if epoch_pools else {})}
     acc_sum = loss_sum = 0.0
     div = {k: [] for k in DIVERSITY}  # per step
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for step in range(cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
             perm, pos = torch.randperm(n, generator=g), 0
@@ -253,4 +254,5 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     for k in DIVERSITY:  # the second half of the steps run: past the pool warm-up
         hist[f"{k}_2nd_half"] = statistics.fmean(div[k][hist["steps"] // 2:])
     hist["seconds"] = time.perf_counter() - t0
+    hist["cpu_seconds"] = time.process_time() - c0
     return model, hist
