@@ -89,17 +89,35 @@ def test_mean_ci_is_the_t_interval():
 
 
 
-def test_the_demo_diversity_figure_is_the_mean_of_the_second_half(tmp_path):
-    """demo.second_half_unique: the mean unique/M of the rows logged after steps / 2 (a
-    hand-built metrics.csv; a missing value is skipped; no row there is an error)."""
+def test_the_demo_diversity_figure_is_the_mean_of_the_last_quarter(tmp_path):
+    """demo.last_quarter_unique: the mean unique/M of the last quarter of the rows that have a
+    value (a hand-built metrics.csv: 9 valued rows -> the last 2; 'nan' and empty skipped);
+    a file with no value is an error."""
     from cmacc.apps import demo
 
-    rows = ["step,unique_per_m,coverage"] + [f"{s},{v},0" for s, v in
-                                              [(10, 0.1), (20, 0.2), (30, 0.9), (40, 0.5), (50, "nan"),
-                                               (60, 0.7)]]
+    vals = [0.1, 0.2, 0.9, 0.5, "nan", 0.3, 0.4, "", 0.6, 0.8, 0.7]
     path = tmp_path / "metrics.csv"
-    path.write_text("\n".join(rows) + "\n")
-    assert demo.second_half_unique(path, 60) == pytest.approx((0.5 + 0.7) / 2)  # steps 40, 60
-    assert demo.second_half_unique(path, 40) == pytest.approx((0.9 + 0.5 + 0.7) / 3)
-    with pytest.raises(ValueError, match="second half"):
-        demo.second_half_unique(path, 200)
+    path.write_text("step,unique_per_m,coverage\n"
+                    + "".join(f"{10 * (i + 1)},{v},0\n" for i, v in enumerate(vals)))
+    assert demo.last_quarter_unique(path) == pytest.approx((0.8 + 0.7) / 2)
+    path.write_text("step,unique_per_m,coverage\n10,nan,0\n")
+    with pytest.raises(ValueError, match="no unique_per_m rows"):
+        demo.last_quarter_unique(path)
+
+
+@pytest.mark.parametrize("diffs, says", [
+    ([0.10, 0.12, 0.08], "excludes 0: active enqueues more varied"),
+    ([-0.10, -0.12, -0.08], "excludes 0: active enqueues less varied"),
+    ([0.05, -0.04, 0.01], "holds 0: this budget cannot show a difference"),
+    ([0.05], "one seed gives no interval"),
+])
+def test_the_demo_verdict_follows_the_t_interval_over_seeds(diffs, says):
+    """demo.verdict: the mean and 95% t-interval of the paired differences (scipy's t
+    quantile as the reference) and what they allow one to say."""
+    from cmacc.apps import demo
+
+    text = demo.verdict(diffs)
+    assert says in text and f"{np.mean(diffs):+.3f}" in text
+    if len(diffs) > 1:
+        half = stats.t.ppf(0.975, len(diffs) - 1) * np.std(diffs, ddof=1) / np.sqrt(len(diffs))
+        assert f"± {half:.3f}" in text and (abs(np.mean(diffs)) > half) == ("excludes" in text)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -506,3 +507,51 @@ def test_bad_pool_mode_is_a_one_line_error(tmp_path, capsys):
         mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--pool-mode", "weekly"])
     assert e.value.code == 2
     assert "--pool-mode: invalid choice: 'weekly'" in capsys.readouterr().err
+
+
+def _study(runs: dict, **over) -> dict:
+    """A hand-built mi.json: ``runs`` = method → l → list of per-seed figures."""
+    return {"alphabets": ["A", "B"], "relation": "next", "n_train": 100, "n_test": 10,
+            "n_probe": 50, "config": {"max_steps": 60, "tau": 0.7},
+            "runs": {m: {str(l): rs for l, rs in per.items()} for m, per in runs.items()},
+            **over}
+
+
+def test_compare_pairs_two_studies_by_seed(tmp_path, capsys):
+    """mi.compare: first − second per seed that both sides ran (seed 2 only on one side is
+    left out), with the t-interval of those differences (numpy/scipy as the reference); the
+    settings that differ are named; studies of other pairs are refused in one line."""
+    from scipy import stats
+
+    from cmacc.apps.mi import compare
+
+    def run(seed, probe, uniq, steps=60):
+        return {"seed": seed, "probe": probe, "probe_seen": probe + 0.5, "steps": steps,
+                "unique_per_m_2nd_half": uniq, "coverage_2nd_half": 2 * uniq,
+                "seconds": 10.0 * steps, "cpu_seconds": 9.0 * steps}
+
+    a = _study({"CM-ACC": {3: [run(0, 0.30, 0.40), run(1, 0.26, 0.42), run(2, 0.9, 0.9)]}})
+    b = _study({"XMoCo": {3: [run(0, 0.25, 0.35, 120), run(1, 0.24, 0.36, 120)]}},
+               config={"max_steps": 120, "tau": 0.7})
+    c = compare.compare(a, "CM-ACC", b, "XMoCo", 3)
+    d = np.array([0.30 - 0.25, 0.26 - 0.24])
+    assert c["seeds"] == [0, 1]
+    assert c["diff"]["probe"]["per_seed"] == pytest.approx(d.tolist())
+    assert c["diff"]["probe"]["mean"] == pytest.approx(d.mean())
+    assert c["diff"]["probe"]["half"] == pytest.approx(
+        stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2), rel=1e-3)  # metrics.t975: 4 digits
+    assert c["diff"]["unique_per_m_2nd_half"]["per_seed"] == pytest.approx([0.05, 0.06])
+    assert c["a"]["steps"][0] == 60 and c["b"]["steps"][0] == 120  # every seed of each side
+    assert c["b"]["cpu_seconds"][0] == pytest.approx(1080.0)
+    assert compare.config_differences(a, b) == ["max_steps: 60 vs 120"]
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mi.json").write_text(json.dumps(r))
+    assert compare.main([f"{tmp_path / 'a'}:CM-ACC", f"{tmp_path / 'b'}:XMoCo"]) == 0
+    out = capsys.readouterr().out
+    assert "+0.035 ± " in out and "settings that differ: max_steps: 60 vs 120" in out
+    (tmp_path / "b" / "mi.json").write_text(json.dumps({**b, "n_train": 200}))
+    with pytest.raises(SystemExit) as e:
+        compare.main([f"{tmp_path / 'a'}:CM-ACC", f"{tmp_path / 'b'}:XMoCo"])
+    assert e.value.code == 2
+    assert "drew different pairs (n_train: 100 vs 200)" in capsys.readouterr().err

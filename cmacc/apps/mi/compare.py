@@ -1,0 +1,146 @@
+"""Two runs of the MI study side by side, paired by seed: one method of one study against one
+method of another (or of the same) study, on the same pairs.
+
+    python -m cmacc.apps.mi.compare runs/mi_cmacc:CM-ACC runs/mi_xmoco_long:XMoCo [--chars 3]
+
+What it is for: settings that one study cannot hold, e.g. CM-ACC at 600 steps against XMoCo
+given CM-ACC's compute (more steps: another ``--max-steps``, so another ``--out``). Each side
+is ``STUDY:METHOD`` (STUDY = a study's ``--out`` folder or its ``mi.json``). The two studies must
+have drawn the same pairs (alphabets, relation, training/test/probe pair counts): a seed then
+means the same pairs order and initial encoders in both, and the differences are paired by
+seed. Printed, per l both ran: steps, wall and CPU seconds of training per run, the probe on
+both test sets and the enqueued negatives' diversity (second half of training), each side's
+mean ± 95% t-interval over seeds and the first minus the second per seed with its interval;
+then the settings in which the two studies differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from cmacc.metrics import mean_ci
+from data_dali.cli import ArgumentParser, UserError, command
+
+# what must be equal for a seed to mean the same pairs in both studies
+SAME_DATA = ("alphabets", "relation", "n_train", "n_test", "n_probe")
+# the per-run figures compared: (mi.json key, label)
+FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen drawings"),
+           ("unique_per_m_2nd_half", "negatives unique/M, 2nd half"),
+           ("coverage_2nd_half", "negatives coverage, 2nd half"))
+
+
+def load_side(spec: str) -> tuple[dict, str, str]:
+    """``STUDY:METHOD`` → (the study's results, the method, the study's path as given)."""
+    path, sep, method = spec.rpartition(":")
+    if not sep or not path or not method:
+        raise UserError(f"{spec!r}: give a side as STUDY:METHOD, e.g. runs/mi:CM-ACC")
+    f = Path(path)
+    f = f / "mi.json" if f.is_dir() else f
+    if not f.is_file():
+        raise UserError(f"{path}: no MI study there (no mi.json): give a study's --out folder")
+    try:
+        results = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{f}: not a readable mi.json ({e})") from None
+    if method not in results.get("runs", {}):
+        ran = ", ".join(sorted(results.get("runs", {}))) or "none"
+        raise UserError(f"{path}: method {method!r} has no runs there (it has: {ran})")
+    return results, method, path
+
+
+def check_same_data(a: dict, b: dict, name_a: str, name_b: str) -> None:
+    """A UserError naming the first data setting in which the two studies differ."""
+    for key in SAME_DATA:
+        if a.get(key) != b.get(key):
+            raise UserError(f"{name_a} and {name_b} drew different pairs ({key}: {a.get(key)} vs "
+                            f"{b.get(key)}): runs of one seed are not paired; compare studies "
+                            "with the same data settings")
+
+
+def _runs(results, method, l) -> dict[int, dict]:
+    return {r["seed"]: r for r in results["runs"].get(method, {}).get(str(l), [])}
+
+
+def compare(a: dict, ma: str, b: dict, mb: str, l: int) -> dict:
+    """The figures of method ``ma`` of study ``a`` and ``mb`` of ``b`` at l: per side the
+    mean ± half-width over its seeds of steps, seconds, cpu_seconds and each of ``FIGURES``;
+    ``diff``: (a − b) per seed that both ran and recorded, with its mean and half-width."""
+    ra, rb = _runs(a, ma, l), _runs(b, mb, l)
+    out = {"l": l, "seeds": sorted(set(ra) & set(rb)), "a": {}, "b": {}, "diff": {}}
+    for side, runs in (("a", ra), ("b", rb)):
+        for key in ("steps", "seconds", "cpu_seconds", *(k for k, _ in FIGURES)):
+            vals = [r[key] for r in runs.values() if key in r]
+            out[side][key] = (*mean_ci(vals), len(vals)) if vals else None
+    for key, _ in FIGURES:
+        d = [ra[s][key] - rb[s][key] for s in out["seeds"] if key in ra[s] and key in rb[s]]
+        out["diff"][key] = {"per_seed": d, **dict(zip(("mean", "half"), mean_ci(d)))} if d else None
+    return out
+
+
+def config_differences(a: dict, b: dict) -> list[str]:
+    """'key: a vs b' for every training setting in which the two studies differ."""
+    ca, cb = a.get("config", {}), b.get("config", {})
+    return [f"{k}: {ca.get(k)} vs {cb.get(k)}" for k in sorted(set(ca) | set(cb))
+            if ca.get(k) != cb.get(k)]
+
+
+def _pm(stat, fmt="{:.3f}") -> str:
+    if stat is None:
+        return "not recorded"
+    mean, half, _ = stat
+    return fmt.format(mean) if math.isnan(half) else f"{fmt.format(mean)} ± {fmt.format(half)}"
+
+
+def table(cmp: list[dict], name_a: str, name_b: str) -> list[str]:
+    """Markdown lines: one row per l and figure."""
+    lines = [f"| l | figure | {name_a} | {name_b} | first − second (per seed) |",
+             "|---|---|---|---|---|"]
+    for c in cmp:
+        for key, label in (("steps", "steps"), ("seconds", "training s per run (wall)"),
+                           ("cpu_seconds", "training s per run (CPU)")):
+            fmt = "{:.0f}"
+            lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key], fmt)} | "
+                         f"{_pm(c['b'][key], fmt)} | |")
+        for key, label in FIGURES:
+            d = c["diff"][key]
+            cell = "—" if d is None else (
+                (f"{d['mean']:+.3f}" if math.isnan(d["half"]) else
+                 f"{d['mean']:+.3f} ± {d['half']:.3f}")
+                + " (" + ", ".join(f"{v:+.3f}" for v in d["per_seed"]) + ")")
+            lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key])} | {_pm(c['b'][key])} | "
+                         f"{cell} |")
+    return lines
+
+
+@command
+def main(argv=None):
+    p = ArgumentParser(prog="python -m cmacc.apps.mi.compare", description=__doc__)
+    p.add_argument("first", metavar="STUDY:METHOD", help="e.g. runs/mi:CM-ACC")
+    p.add_argument("second", metavar="STUDY:METHOD", help="e.g. runs/mi_long:XMoCo")
+    p.add_argument("--chars", type=int, nargs="+",
+                   help="the l to compare (default: every l both sides ran)")
+    args = p.parse_args(argv)
+    a, ma, na = load_side(args.first)
+    b, mb, nb = load_side(args.second)
+    check_same_data(a, b, na, nb)
+    both = sorted(set(map(int, a["runs"][ma])) & set(map(int, b["runs"][mb])))
+    chars = args.chars or both
+    if missing := [l for l in chars if l not in both]:
+        raise UserError(f"--chars {' '.join(map(str, missing))}: not run by both sides "
+                        f"(both ran l = {', '.join(map(str, both)) or 'none'})")
+    cmp = [compare(a, ma, b, mb, l) for l in chars]
+    if not any(c["seeds"] for c in cmp):
+        raise UserError(f"{na} and {nb}: no seed run by both sides: nothing to pair")
+    print(f"first: {na} {ma}; second: {nb} {mb}; paired by seed "
+          f"({', '.join(str(s) for s in cmp[0]['seeds'])}); mean ± 95% t-interval over seeds\n")
+    print("\n".join(table(cmp, f"{ma} ({Path(na).name})", f"{mb} ({Path(nb).name})")))
+    diffs = config_differences(a, b)
+    print("\nsettings that differ: " + ("; ".join(diffs) if diffs else "none"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
