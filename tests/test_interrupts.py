@@ -117,7 +117,7 @@ def test_the_same_eval_twice_gives_the_same_figures(tmp_path, tiny_run, capsys):
     for k in range(2):
         ev.main([str(tiny_run), "--protocol", "finetune", "--epochs", "1", "--batch-size", "32",
                  "--out", str(tmp_path / str(k))])
-        res = json.loads((tmp_path / str(k) / "eval_video_finetune.json").read_text())
+        res = json.loads((tmp_path / str(k) / "eval_video_finetune_synthetic.json").read_text())
         figures.append([s["top1"] for s in res["splits"]])
     capsys.readouterr()
     assert figures[0] == figures[1]
