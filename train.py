@@ -24,6 +24,7 @@ Every flag sets one field of the typed config (cmacc/config.py); the loop is cma
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -81,6 +82,11 @@ FLAGS = {
         ("--video-arch", "model.video_arch", dict(choices=VIDEO_ARCHS)),
         ("--video-width", "model.video_width", dict(type=int)),
         ("--audio-width", "model.audio_width", dict(type=int)),
+        ("--video-layers", "model.video_layers", dict(type=int, nargs="+", metavar="N", help=(
+            "residual blocks per stage of the video ResNet: 2 2 2 2 with --video-width 64 is "
+            "torchvision's r3d_18 / r2plus1d_18 at any --preset"))),
+        ("--audio-layers", "model.audio_layers", dict(type=int, nargs="+", metavar="N",
+                                                      help="residual blocks per stage of the audio ResNet")),
         ("--dim", "model.dim", dict(type=int, help="key dimension d")),
     ],
     "optimisation": [
@@ -157,6 +163,23 @@ def apply_config_file(parser, args, argv):
     return parser.parse_args(argv)
 
 
+def fit_warmup(cfg, preset: str, *, given: bool):
+    """A warm-up longer than the run never lets the learning rate reach --lr: a preset's is
+    scaled to a tenth of the run (logged); a --warmup given so is refused in one line."""
+    steps, warmup = cfg.run.steps, cfg.optim.warmup
+    if warmup <= steps:
+        return cfg
+    if given:
+        raise UserError(f"--warmup {warmup}: longer than the run (--steps {steps}), so the "
+                        f"learning rate would never reach --lr {cfg.optim.lr:g}; pass --warmup "
+                        f"{steps // 10} (a tenth of the run) or any value up to {steps}")
+    fitted = steps // 10
+    logging.getLogger("cmacc").info(
+        "the %s preset's warm-up (%d steps) is longer than this run (%d steps): %d steps instead "
+        "(a tenth of the run); --warmup sets it", preset, warmup, steps, fitted)
+    return cfg.replace(optim={"warmup": fitted})
+
+
 @command  # user errors: one line on stderr, exit 2 (--debug: the traceback)
 def main(argv=None) -> int:
     parser = build_parser()
@@ -168,6 +191,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # a dataclass rejected a value: the message names the field
         raise UserError(str(e)) from None
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    cfg = fit_warmup(cfg, args.preset, given=getattr(args, "optim.warmup") is not None)
     try:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1

@@ -81,6 +81,8 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
     (["--video-width", "64"], "set --audio-width 64, or --no-fcl"),  # before any data is read
+    (["--steps", "4", "--warmup", "8"], "--warmup 8: longer than the run (--steps 4), so the "
+                                        "learning rate would never reach --lr 0.001; pass --warmup 0"),
     (["--device", "cuda", "--batch-size", "8192", "--dict-size", "8192", "--pool-size", "16384"],
      "batch_size M=8192: on cuda the active sampler's Triton kernels take at most 4096"),
 ])
@@ -203,3 +205,38 @@ def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypat
     assert "\n" not in msg and "at most 4096" in msg and "CMACC_KERNELS=reference" in msg, msg
     with pytest.raises(ValueError, match=r"\[1, 4096\]"):  # what the kernel itself would say
         ge.check_m(m)
+
+
+def test_blocks_per_stage_give_a_torchvision_sized_encoder_at_any_preset(tmp_path):
+    """--video-layers (or its --config key) with --video-width 64: the tiny preset's backbone
+    is torchvision's r3d_18, whose own model loads its weights strictly."""
+    import torchvision
+
+    from cmacc.encoders import export_video
+    from cmacc.model import CMACC
+
+    flags = ["--preset", "tiny", "--video-width", "64", "--audio-width", "64", "--audio-layers",
+             "2", "2", "2", "2"]
+    cfg = train.config_from_args(train.build_parser().parse_args(
+        flags + ["--video-layers", "2", "2", "2", "2"]))
+    assert cfg.model.video_layers == (2, 2, 2, 2) and cfg.model.audio_layers == (2, 2, 2, 2)
+    tv = torchvision.models.video.r3d_18()
+    tv.fc = torch.nn.Identity()
+    tv.load_state_dict(export_video(CMACC(cfg.model, cfg.selection).f_v.backbone), strict=True)
+
+    (tmp_path / "c.json").write_text(json.dumps({"video_layers": [1, 2, 1, 1]}))
+    parser = train.build_parser()
+    args = train.apply_config_file(parser, parser.parse_args(["--config", str(tmp_path / "c.json")]),
+                                   ["--config", str(tmp_path / "c.json")])
+    assert train.config_from_args(args).model.video_layers == (1, 2, 1, 1)
+
+
+def test_a_preset_warmup_longer_than_the_run_is_scaled_and_said(tmp_path, capsys):
+    out = tmp_path / "run"
+    train.main(["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
+                "--dict-size", "8", "--pool-size", "16", "--steps", "3", "--log-every", "1",
+                "--out", str(out)])
+    err = capsys.readouterr().err
+    assert ("the tiny preset's warm-up (10 steps) is longer than this run (3 steps): 0 steps "
+            "instead") in err
+    assert [float(r["lr"]) for r in _rows(out)] == [1e-3] * 3  # --lr from the first step
