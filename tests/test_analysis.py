@@ -103,3 +103,15 @@ def test_the_demo_diversity_figure_is_the_mean_of_the_second_half(tmp_path):
     assert demo.second_half_unique(path, 40) == pytest.approx((0.9 + 0.5 + 0.7) / 3)
     with pytest.raises(ValueError, match="second half"):
         demo.second_half_unique(path, 200)
+
+
+def test_analyses_add_their_sections_to_one_report(tiny_run, tmp_path, capsys):
+    """gallery then perclass into one --out: report.md and results.json hold both sections
+    (each used to overwrite the other's)."""
+    out = tmp_path / "analysis"
+    assert analysis.main(["gallery", str(tiny_run), "--out", str(out)]) == 0
+    assert analysis.main(["perclass", str(tiny_run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    report = (out / "report.md").read_text()
+    assert "## Gradient-norm gallery" in report and "## Pretext accuracy per class" in report
+    assert sorted(json.loads((out / "results.json").read_text())) == ["gallery", "perclass"]
