@@ -174,6 +174,48 @@ def output_folder(path, flag: str = "OUT") -> Path:
     return p
 
 
+def format_duration(seconds: float) -> str:
+    """45s, 12m05s, 3h07m."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def eta(remaining: float, done: float, elapsed: float) -> str:
+    """The time ``remaining`` units take at the rate of ``done`` units in ``elapsed`` seconds
+    ("?" before the first unit)."""
+    if done <= 0 or elapsed <= 0:
+        return "?"
+    return format_duration(remaining * elapsed / done)
+
+
+class ProgressLog:
+    """Progress as log lines, for logs that are not a terminal (where no bar is drawn):
+    ``what done/total unit (pct%), eta ...`` at every ``1/lines`` of the work, at most a minute
+    apart, and at the end. ``update(done)`` after each unit."""
+
+    def __init__(self, logger, what: str, total: int, unit: str = "", lines: int = 20,
+                 enabled: bool = True):
+        import time
+
+        self.log, self.what, self.total, self.unit = logger, what, int(total), unit
+        self.every, self.enabled = max(1, -(-self.total // lines)), enabled and total > 0
+        self._clock = time.perf_counter
+        self.t0 = self.last = self._clock()
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        now = self._clock()
+        if done == self.total or done % self.every == 0 or now - self.last >= 60:
+            self.last = now
+            self.log.info("%s %d/%d%s (%.0f%%), eta %s", self.what, done, self.total, self.unit,
+                          100 * done / self.total, eta(self.total - done, done, now - self.t0))
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is when a record is emitted (test runners swap it)."""
 

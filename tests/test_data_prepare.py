@@ -4,6 +4,7 @@ are redone; official split files; path safety; the audio front end against libro
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -335,3 +336,12 @@ def test_nothing_found_says_the_layouts_and_the_help_names_the_command(tmp_path,
     assert out.startswith("usage: cmacc-prepare ")
     for default in ("default: 128", "default: 1.6", "default: 32"):
         assert default in out
+
+
+def test_progress_lines_with_the_total_when_the_log_is_not_a_terminal(tmp_path, capsys):
+    _tones(tmp_path / "src" / "a", [1.0, 1.0])
+    assert prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--audio-only",
+                      "--workers", "1"]) == 0
+    err = capsys.readouterr().err  # (pytest's stderr is not a terminal: no bar is drawn)
+    assert re.search(r"prepare: 1/2 files \(50%\), eta \d+s", err), err
+    assert "prepare: 2/2 files (100%), eta 0s" in err

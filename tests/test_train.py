@@ -240,3 +240,12 @@ def test_a_preset_warmup_longer_than_the_run_is_scaled_and_said(tmp_path, capsys
     assert ("the tiny preset's warm-up (10 steps) is longer than this run (3 steps): 0 steps "
             "instead") in err
     assert [float(r["lr"]) for r in _rows(out)] == [1e-3] * 3  # --lr from the first step
+
+
+def test_log_lines_carry_the_total_and_an_eta(tmp_path, capsys):
+    train.main(["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
+                "--dict-size", "8", "--pool-size", "16", "--steps", "2", "--log-every", "1",
+                "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "step      1/2 (50%, eta " in err
+    assert "step      2/2 (100%, eta 0s) | loss " in err

@@ -14,7 +14,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..cli import ArgumentParser, command, ignore_interrupts, output_folder, setup_logging
+from ..cli import (ArgumentParser, ProgressLog, command, ignore_interrupts, output_folder,
+                   setup_logging)
 from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
 from ..manifest import UNLABELED
@@ -78,6 +79,9 @@ def _run(jobs: list, workers, progress: bool) -> list:
 
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     results = []
+    # a log that is not a terminal gets progress lines with the total and an ETA instead
+    lines = ProgressLog(log, "prepare:", len(jobs), " files",
+                        enabled=progress and not sys.stderr.isatty())
     with tqdm(total=len(jobs), desc="prepare", unit="file", disable=None if progress else True) as bar:
         if workers > 1:
             import multiprocessing as mp
@@ -87,10 +91,12 @@ def _run(jobs: list, workers, progress: bool) -> list:
                 for res in pool.imap_unordered(_job, jobs, chunksize=1):
                     results.append(res)
                     bar.update(1)
+                    lines.update(len(results))
         else:
             for j in jobs:
                 results.append(_job(j))
                 bar.update(1)
+                lines.update(len(results))
     return results
 
 
