@@ -199,6 +199,11 @@ def main(argv=None) -> int:
     except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
         print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
         return 0
+    if summary and summary.get("steps", 0) > cfg.run.steps:  # resumed past the asked end
+        logging.getLogger("cmacc").warning(
+            "the run in %s is already at step %d, past --steps %d: nothing was trained (its "
+            "checkpoints are as they were); pass --steps above %d to train on", cfg.run.out,
+            summary["steps"], cfg.run.steps, summary["steps"])
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -89,11 +90,16 @@ def command(main=None, *, kept: str = KEPT):
         mark = len(_CREATED)
         try:
             with _sigterm_raises():
-                return main(strip_debug(argv))
+                code = main(strip_debug(argv))
+                sys.stdout.flush()  # a reader that left fails here, not at interpreter exit
+                return code
         except BaseException as e:
             _remove_empty_created(mark)
             if debug:
                 raise
+            if isinstance(e, BrokenPipeError):  # `... | head` stopped reading: end quietly,
+                _stdout_to_devnull()            # as a SIGPIPE would (exit 141)
+                raise SystemExit(INTERRUPT_EXIT + signal.SIGPIPE) from None
             if isinstance(e, UserError):
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(USER_ERROR_EXIT) from None
@@ -108,6 +114,19 @@ def command(main=None, *, kept: str = KEPT):
             del _CREATED[mark:]
 
     return run
+
+
+def _stdout_to_devnull() -> None:
+    """Point the process's stdout at /dev/null, so that the interpreter's last flush of a pipe
+    nobody reads does not print "Exception ignored ... BrokenPipeError"."""
+    if sys.stdout is not sys.__stdout__:  # (a caller's stand-in, e.g. a test's capture)
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 # folders output_folder created (outermost first): a failed command removes those still empty
@@ -140,6 +159,12 @@ def ignore_interrupts() -> None:
     """For worker processes (a ``Pool`` initializer): the parent handles Ctrl-C, and ends them;
     a worker's own KeyboardInterrupt would only print a traceback per worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def prog_name(module: str, installed: str) -> str:
+    """What ``--help`` calls a command: its installed name when run as that (``cmacc-prepare``),
+    else ``python -m <module>``."""
+    return installed if Path(sys.argv[0]).name == installed else f"python -m {module}"
 
 
 class ArgumentParser(argparse.ArgumentParser):

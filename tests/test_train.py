@@ -249,3 +249,16 @@ def test_log_lines_carry_the_total_and_an_eta(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "step      1/2 (50%, eta " in err
     assert "step      2/2 (100%, eta 0s) | loss " in err
+
+
+def test_steps_below_the_runs_step_say_that_nothing_was_trained(tmp_path, capsys):
+    small = ["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
+             "--dict-size", "8", "--pool-size", "16", "--log-every", "1", "--out",
+             str(tmp_path / "run")]
+    train.main(small + ["--steps", "2"])
+    capsys.readouterr()
+    assert train.main(small + ["--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (f"the run in {tmp_path / 'run'} is already at step 2, past --steps 1: nothing was "
+            "trained") in err
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt")) == ["ckpt_00000002.pt"]

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..cli import (ArgumentParser, ProgressLog, command, ignore_interrupts, output_folder,
-                   setup_logging)
+                   prog_name, setup_logging)
 from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
 from ..manifest import UNLABELED
@@ -169,8 +169,7 @@ def _write_csv(path: Path, rows: list[dict], fields: list[str]):
 
 @command
 def main(argv=None):
-    installed = Path(sys.argv[0]).name == "cmacc-prepare"  # the entry point, or python -m
-    p = ArgumentParser(prog="cmacc-prepare" if installed else "python -m data_dali.prepare",
+    p = ArgumentParser(prog=prog_name("data_dali.prepare", "cmacc-prepare"),
                        description=sys.modules[__package__].__doc__)
     p.add_argument("src", help="source folder")
     p.add_argument("out", help="output folder (clips/, manifest.csv, rejects.csv, records/); "
