@@ -113,7 +113,8 @@ def test_a_run_pretrained_on_a_manifest_is_evaluated_on_it_and_says_so(tiny_run,
     run = _pretrained_on(tiny_run, data_copy, tmp_path / "run")
     assert ev.main([str(run), "--modality", "audio"]) == 0
     captured = capsys.readouterr()
-    first = next(ln for ln in captured.err.splitlines() if " evaluating " in ln)
+    first = captured.err.splitlines()[0]  # the first log line names the encoder and the data
+    assert " INFO evaluating the audio query encoder of " in first and "(step 6)" in first
     assert str(data_copy.resolve()) in first and "the run's own pretraining data" in first
     (js,) = (run / "eval").glob("eval_audio_linear_*.json")
     res = json.loads(js.read_text())

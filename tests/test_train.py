@@ -10,6 +10,8 @@ import train
 from cmacc import checkpoint as ckpt
 
 TINY = ["--preset", "tiny", "--clips", "96", "--classes", "6", "--log-every", "5"]
+FAST = ["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4", "--dict-size",
+        "8", "--pool-size", "16", "--log-every", "1"]  # a second or two a run
 
 
 def _rows(out):
@@ -233,9 +235,7 @@ def test_blocks_per_stage_give_a_torchvision_sized_encoder_at_any_preset(tmp_pat
 
 def test_a_preset_warmup_longer_than_the_run_is_scaled_and_said(tmp_path, capsys):
     out = tmp_path / "run"
-    train.main(["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
-                "--dict-size", "8", "--pool-size", "16", "--steps", "3", "--log-every", "1",
-                "--out", str(out)])
+    train.main(FAST + ["--steps", "3", "--out", str(out)])
     err = capsys.readouterr().err
     assert ("the tiny preset's warm-up (10 steps) is longer than this run (3 steps): 0 steps "
             "instead") in err
@@ -243,18 +243,14 @@ def test_a_preset_warmup_longer_than_the_run_is_scaled_and_said(tmp_path, capsys
 
 
 def test_log_lines_carry_the_total_and_an_eta(tmp_path, capsys):
-    train.main(["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
-                "--dict-size", "8", "--pool-size", "16", "--steps", "2", "--log-every", "1",
-                "--out", str(tmp_path / "run")])
+    train.main(FAST + ["--steps", "2", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert "step      1/2 (50%, eta " in err
     assert "step      2/2 (100%, eta 0s) | loss " in err
 
 
 def test_steps_below_the_runs_step_say_that_nothing_was_trained(tmp_path, capsys):
-    small = ["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
-             "--dict-size", "8", "--pool-size", "16", "--log-every", "1", "--out",
-             str(tmp_path / "run")]
+    small = FAST + ["--out", str(tmp_path / "run")]
     train.main(small + ["--steps", "2"])
     capsys.readouterr()
     assert train.main(small + ["--steps", "1"]) == 0

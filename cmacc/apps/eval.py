@@ -48,8 +48,7 @@ from data_dali.fileio import atomic_write_text
 from . import git_commit, positive_int, sha256_file
 
 log = logging.getLogger("cmacc.eval")
-_FIX = ("pass a ckpt_*.pt file written by train.py, its run folder, or an encoder file written "
-        "by cmacc-export")
+_FIX = "pass a ckpt_*.pt file written by train.py, or its run folder"
 LINEAR = dict(weight_decay=1e-4, max_iter=200)  # the linear probe's settings (cmacc.probe)
 
 
@@ -57,9 +56,10 @@ class CheckpointError(UserError):
     """A path that is not a usable train.py checkpoint or run folder; the message says why."""
 
 
-def load_pretrained(path) -> tuple[CMACC, dict]:
+def load_pretrained(path, state=None) -> tuple[CMACC, dict]:
     """The CMACC model of a checkpoint file or run folder (newest valid checkpoint), and the
-    checkpoint with its typed config under "cfg" and its path under "file"."""
+    checkpoint with its typed config under "cfg" and its path under "file". ``state``: the
+    file's contents, when the caller has read them already."""
     p = Path(path)
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
@@ -68,7 +68,7 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
         p, state = found
     elif not p.is_file():
         raise CheckpointError(f"{p}: no such checkpoint file or run folder; {_FIX}")
-    else:
+    elif state is None:
         try:
             state = ckpt.load(p)
         except Exception as e:  # noqa: BLE001 - corrupt or foreign bytes: torch's weights-only
@@ -76,8 +76,8 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
             raise CheckpointError(f"{p}: not a checkpoint file ({ckpt.why_unloadable(e)}); "
                                   f"{_FIX}") from None
     if _is_state_dict(state):
-        raise CheckpointError(f"{p}: an exported encoder (cmacc-export), not a checkpoint; "
-                              "cmacc-eval takes it as it is")
+        raise CheckpointError(f"{p}: an encoder exported by cmacc-export, not a checkpoint of "
+                              f"train.py (cmacc-eval evaluates such a file); {_FIX}")
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise CheckpointError(f"{p}: a torch file, but not a checkpoint written by train.py (no "
                               f"config/model); {_FIX}")
@@ -115,7 +115,7 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
         except Exception:  # noqa: BLE001 - not a torch file: load_pretrained says why
             state = None
     if not _is_state_dict(state):
-        model, state = load_pretrained(p)
+        model, state = load_pretrained(p, state)
         modality = modality or "video"
         enc = model.f_v if modality == "video" else model.f_a
         return enc.backbone, {
@@ -129,7 +129,8 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
             backbone, found = load_video_encoder(p), "video"
         except EncoderFileError as e:
             raise CheckpointError(f"{p}: a state dict, but neither encoder of cmacc-export "
-                                  f"({first_line(e, 160)}); {_FIX}") from None
+                                  f"({first_line(e, 160)}); {_FIX}, or a video_<arch>.pt / "
+                                  "audio_resnet1d.pt written by cmacc-export") from None
     if modality and modality != found:
         raise UserError(f"--modality {modality}: {p} is an exported {found} encoder; pass "
                         f"--modality {found}, or the {modality} file of the export")
@@ -155,7 +156,8 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
             raise CheckpointError(f"{card_file}: its config does not fit this version of cmacc "
                                   f"({e}); export the run again") from None
         step, data = card.get("steps"), (card.get("data") or {}).get("source")
-        origin = f"exported from {card.get('checkpoint')} (step {step})"
+        origin = (f"{card.get('encoders', 'query')} encoder exported from "
+                  f"{card.get('checkpoint')} (step {step})")
     return backbone, {"cfg": cfg, "file": p, "step": step, "modality": found, "data": data,
                       "encoder": f"the exported {found} encoder {p} ({origin})"}
 
@@ -421,7 +423,12 @@ def main(argv=None):
     setup_logging()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
-    backbone, state = load_encoder(args.checkpoint, args.modality)
+    chosen = logging.getLogger("cmacc.checkpoint")  # (its "newest valid checkpoint" line: the
+    level, chosen.level = chosen.level, logging.WARNING  # first line below names that file)
+    try:
+        backbone, state = load_encoder(args.checkpoint, args.modality)
+    finally:
+        chosen.setLevel(level)
     run = Path(args.checkpoint)
     out = output_folder(args.out or (run if run.is_dir() else run.parent) / "eval", "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
