@@ -24,6 +24,7 @@ Every flag sets one field of the typed config (cmacc/config.py); the loop is cma
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -81,6 +82,11 @@ FLAGS = {
         ("--video-arch", "model.video_arch", dict(choices=VIDEO_ARCHS)),
         ("--video-width", "model.video_width", dict(type=int)),
         ("--audio-width", "model.audio_width", dict(type=int)),
+        ("--video-layers", "model.video_layers", dict(type=int, nargs="+", metavar="N", help=(
+            "residual blocks per stage of the video ResNet: 2 2 2 2 with --video-width 64 is "
+            "torchvision's r3d_18 / r2plus1d_18 at any --preset"))),
+        ("--audio-layers", "model.audio_layers", dict(type=int, nargs="+", metavar="N",
+                                                      help="residual blocks per stage of the audio ResNet")),
         ("--dim", "model.dim", dict(type=int, help="key dimension d")),
     ],
     "optimisation": [
@@ -157,6 +163,23 @@ def apply_config_file(parser, args, argv):
     return parser.parse_args(argv)
 
 
+WARMUP_REACH = 0.1  # a run must reach at least this share of --lr by its last step
+
+
+def check_warmup(cfg, preset: str, *, given: bool) -> None:
+    """A warm-up so much longer than the run that the learning rate would not reach a tenth of
+    --lr by its end (``--preset paper --steps 4``: 0.8%) is refused in one line. The schedule is
+    never rescaled behind the user's back: a run resumed with more --steps must train as if it
+    had never stopped."""
+    steps, warmup = cfg.run.steps, cfg.optim.warmup
+    if not warmup or steps >= WARMUP_REACH * warmup:
+        return
+    whose = "" if given else f" (the {preset} preset's)"
+    raise UserError(f"--warmup {warmup}{whose} is longer than the run (--steps {steps}): the "
+                    f"learning rate would reach only {100 * steps / warmup:.1f}% of --lr "
+                    f"{cfg.optim.lr:g} by its end; pass --warmup {steps} or fewer, or more --steps")
+
+
 @command  # user errors: one line on stderr, exit 2 (--debug: the traceback)
 def main(argv=None) -> int:
     parser = build_parser()
@@ -168,6 +191,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # a dataclass rejected a value: the message names the field
         raise UserError(str(e)) from None
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
+    check_warmup(cfg, args.preset, given=getattr(args, "optim.warmup") is not None)
     try:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
@@ -175,6 +199,11 @@ def main(argv=None) -> int:
     except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
         print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
         return 0
+    if summary and summary.get("steps", 0) > cfg.run.steps:  # resumed past the asked end
+        logging.getLogger("cmacc").warning(
+            "the run in %s is already at step %d, past --steps %d: nothing was trained (its "
+            "checkpoints are as they were); pass --steps above %d to train on", cfg.run.out,
+            summary["steps"], cfg.run.steps, summary["steps"])
     if summary:
         print(json.dumps(summary, indent=2))
     return 0

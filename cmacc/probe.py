@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 def extract_features(backbone: nn.Module, batches, key: str, device, clips: int = 1):
     """Mean backbone feature per dataset index over ``clips`` passes of ``batches`` (a callable
     returning an iterable of batch dicts for a pass number: each pass may sample other clips of
-    the same videos — test-time multi-clip averaging). Returns (X [n, c], y [n], index [n])."""
+    the same videos — test-time multi-clip averaging; a clip left out of some pass, damaged,
+    is averaged over the passes that had it). Returns (X [n, c], y [n], index [n])."""
     was_training = backbone.training
     backbone.eval()
-    sums, labels = {}, {}
+    sums, counts, labels = {}, {}, {}
     from tqdm import tqdm
 
     for p in range(clips):
@@ -31,10 +32,11 @@ def extract_features(backbone: nn.Module, batches, key: str, device, clips: int 
             for i, lab, row in zip(batch["index"].tolist(), batch["label"].tolist(), f):
                 s = sums.get(i)
                 sums[i] = row.clone() if s is None else s + row
+                counts[i] = counts.get(i, 0) + 1
                 labels[i] = lab
     backbone.train(was_training)
     index = sorted(sums)
-    x = torch.stack([sums[i] for i in index]) / clips
+    x = torch.stack([sums[i] / counts[i] for i in index])
     return x, torch.tensor([labels[i] for i in index]), torch.tensor(index)
 
 

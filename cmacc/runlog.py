@@ -10,9 +10,11 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from data_dali.cli import eta
 from data_dali.fileio import atomic_path, atomic_write_text
 
 log = logging.getLogger("cmacc")
@@ -133,8 +135,11 @@ class RunLogger:
     every method does nothing. ``purge_step``: TensorBoard events from that step on (written
     before a resume) are discarded."""
 
-    def __init__(self, out, enabled: bool, tensorboard: bool, purge_step: int | None = None):
+    def __init__(self, out, enabled: bool, tensorboard: bool, purge_step: int | None = None,
+                 total: int | None = None, start_step: int = 0):
         self.enabled, self.tb = enabled, None
+        # the log line's "step s/total (pct%)" and ETA, at the rate since start_step
+        self.total, self.start_step, self.t0 = total, start_step, time.perf_counter()
         self.counters = {}  # field → a callable read at each row (running totals of the run)
         self.csv = CSVLog(Path(out) / "metrics.csv", FIELDS) if enabled else None
         if enabled and tensorboard:
@@ -161,9 +166,13 @@ class RunLogger:
                         self.tb.add_scalar(k, v, m.step)
             except Exception as e:
                 raise MetricsWriteError("the TensorBoard events (OUT/tb)") from e
-        log.info("step %6d | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
+        where = f"{m.step:6d}"
+        if self.total:
+            left = eta(self.total - m.step, m.step - self.start_step, time.perf_counter() - self.t0)
+            where += f"/{self.total} ({100 * m.step / self.total:.0f}%, eta {left})"
+        log.info("step %s | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
                  "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
-                 "select %.2f ms (%.2f visible) | mfu %s", m.step, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
+                 "select %.2f ms (%.2f visible) | mfu %s", where, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
                  m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
                  1e3 * m.t_select, 1e3 * m.t_select_visible, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 

@@ -362,7 +362,7 @@ class Trainer:
         if self.resume_from is not None:
             self.store.last = self.resume_from[0]
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
-                                purge_step=purge)
+                                purge_step=purge, total=cfg.run.steps, start_step=self.step)
         bad = getattr(self.loader, "bad", None)
         if bad is not None:  # damaged clips replaced so far (this rank's; rank 0 writes)
             self.logger.counters["bad_clips"] = lambda: float(bad.count)

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -89,11 +90,16 @@ def command(main=None, *, kept: str = KEPT):
         mark = len(_CREATED)
         try:
             with _sigterm_raises():
-                return main(strip_debug(argv))
+                code = main(strip_debug(argv))
+                sys.stdout.flush()  # a reader that left fails here, not at interpreter exit
+                return code
         except BaseException as e:
             _remove_empty_created(mark)
             if debug:
                 raise
+            if isinstance(e, BrokenPipeError):  # `... | head` stopped reading: end quietly,
+                _stdout_to_devnull()            # as a SIGPIPE would (exit 141)
+                raise SystemExit(INTERRUPT_EXIT + signal.SIGPIPE) from None
             if isinstance(e, UserError):
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(USER_ERROR_EXIT) from None
@@ -108,6 +114,19 @@ def command(main=None, *, kept: str = KEPT):
             del _CREATED[mark:]
 
     return run
+
+
+def _stdout_to_devnull() -> None:
+    """Point the process's stdout at /dev/null, so that the interpreter's last flush of a pipe
+    nobody reads does not print "Exception ignored ... BrokenPipeError"."""
+    if sys.stdout is not sys.__stdout__:  # (a caller's stand-in, e.g. a test's capture)
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 # folders output_folder created (outermost first): a failed command removes those still empty
@@ -142,6 +161,12 @@ def ignore_interrupts() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def prog_name(module: str, installed: str) -> str:
+    """What ``--help`` calls a command: its installed name when run as that (``cmacc-prepare``),
+    else ``python -m <module>``."""
+    return installed if Path(sys.argv[0]).name == installed else f"python -m {module}"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for a ``@command``: a bad flag or value is a UserError (one line, exit 2)
     rather than the usage block; ``--debug`` is listed in ``--help``."""
@@ -172,6 +197,48 @@ def output_folder(path, flag: str = "OUT") -> Path:
         raise UserError(f"{flag} {path}: cannot write there ({e.strerror or e}); pass a folder "
                         "you can write to") from None
     return p
+
+
+def format_duration(seconds: float) -> str:
+    """45s, 12m05s, 3h07m."""
+    s = int(round(max(0.0, seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def eta(remaining: float, done: float, elapsed: float) -> str:
+    """The time ``remaining`` units take at the rate of ``done`` units in ``elapsed`` seconds
+    ("?" before the first unit)."""
+    if done <= 0 or elapsed <= 0:
+        return "?"
+    return format_duration(remaining * elapsed / done)
+
+
+class ProgressLog:
+    """Progress as log lines, for logs that are not a terminal (where no bar is drawn):
+    ``what done/total unit (pct%), eta ...`` at every ``1/lines`` of the work, at most a minute
+    apart, and at the end. ``update(done)`` after each unit."""
+
+    def __init__(self, logger, what: str, total: int, unit: str = "", lines: int = 20,
+                 enabled: bool = True):
+        import time
+
+        self.log, self.what, self.total, self.unit = logger, what, int(total), unit
+        self.every, self.enabled = max(1, -(-self.total // lines)), enabled and total > 0
+        self._clock = time.perf_counter
+        self.t0 = self.last = self._clock()
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        now = self._clock()
+        if done == self.total or done % self.every == 0 or now - self.last >= 60:
+            self.last = now
+            self.log.info("%s %d/%d%s (%.0f%%), eta %s", self.what, done, self.total, self.unit,
+                          100 * done / self.total, eta(self.total - done, done, now - self.t0))
 
 
 class _StderrHandler(logging.StreamHandler):

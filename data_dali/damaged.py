@@ -109,8 +109,10 @@ class BadClips:
     ``found`` maps dataset index → reason (this process); ``count`` is what ``record`` saw."""
 
     def __init__(self, manifest: Manifest, index: list[int], *, seed: int = 0,
-                 limit: int | None = None, csv_path=None, need_video=True, need_audio=True):
+                 limit: int | None = None, csv_path=None, need_video=True, need_audio=True,
+                 action: str = "skipped and replaced"):
         self.m, self.index, self.seed = manifest, list(index), int(seed)
+        self.action = action  # what happens to a damaged clip, as the log line says it
         self.limit = default_limit(len(manifest)) if limit is None else int(limit)
         self.csv_path = Path(csv_path) if csv_path else None
         self.need_video, self.need_audio = need_video, need_audio
@@ -173,8 +175,8 @@ class BadClips:
         self.counted.add(i)
         row = self.m.rows[i]
         name = self.files.get(i) or row["video"] or row["mel"]
-        log.warning("damaged clip %s (row %d): %s; skipped and replaced (%d so far, at most %d)",
-                    name, i, reason, self.count, self.limit)
+        log.warning("damaged clip %s (row %d): %s; %s (%d so far, at most %d)",
+                    name, i, reason, self.action, self.count, self.limit)
         if i not in self.listed:
             self.listed.add(i)
             self._append(dict(index=i, id=row.get("id", i), file=name, reason=reason))
@@ -188,6 +190,11 @@ class BadClips:
                 f"{self.m.file}: {self.count} damaged clips, more than --max-bad-clips "
                 f"{self.limit}{where}; re-run `python -m data_dali.prepare` on their sources, or "
                 "raise --max-bad-clips")
+
+    def named(self) -> list[dict]:
+        """The clips ``record`` counted: index, file, reason (by index)."""
+        return [dict(index=i, file=self.files.get(i) or self.m.rows[i]["video"]
+                     or self.m.rows[i]["mel"], reason=self.found[i]) for i in sorted(self.counted)]
 
     @property
     def count(self) -> int:

@@ -22,7 +22,8 @@ import torch
 
 from .audio import mel_frames
 from .augment import batch_fields
-from .damaged import BadClips
+from .cli import first_line
+from .damaged import BadClips, default_limit
 from .manifest import Manifest, ManifestError
 
 log = logging.getLogger("data_dali")
@@ -346,6 +347,7 @@ class EvalSplits:
         self.m = manifest if isinstance(manifest, Manifest) else Manifest(manifest)
         self.modality, self.t, self.s, self.seed = modality, clip_frames, crop, seed
         self.num_classes = self.m.num_classes
+        self.bad = None  # data_dali.damaged.BadClips, once leave_out_damaged has run
 
     def splits(self, wanted=None):
         rows, labels = self.m.rows, self.m.label_array
@@ -394,11 +396,45 @@ class EvalSplits:
                 g = torch.Generator().manual_seed(shuffle_seed + p)
                 order = torch.randperm(len(idx), generator=g).tolist()
             for s in range(0, len(order), batch_size):
-                items = [ds[k] for k in order[s:s + batch_size]]
-                batch = torch.utils.data.default_collate(items)
-                yield _with_params(batch, 1, self.modality == "video")
+                items = [item for k in order[s:s + batch_size] if (item := self._item(ds, k, idx))]
+                if items:
+                    batch = torch.utils.data.default_collate(items)
+                    yield _with_params(batch, 1, self.modality == "video")
 
         return gen
+
+    def _item(self, ds, k, idx):
+        """Item ``k`` of ``ds``; after ``leave_out_damaged``, None for a clip found damaged
+        (named and counted: it fails to decode now, or did before)."""
+        if self.bad is None:
+            return ds[k]
+        if idx[k] in self.bad.found:
+            return None
+        try:
+            return ds[k]
+        except Exception as e:  # noqa: BLE001 - PyAV/NumPy on a damaged file
+            self.bad.record(idx[k], f"cannot decode ({first_line(e, 160)})")
+        return None
+
+    def leave_out_damaged(self, chosen, limit=None):
+        """``chosen`` (name, train, test) splits without the clips that fail the cheap checks
+        (data_dali.damaged: truncated WebM, unreadable or non-finite log-mel), each named in the
+        log and counted; clips that fail to decode later are left out as they are met
+        (``batches``). A clip is left out, never replaced: a replacement would change the
+        figures. TooManyBadClips (one line) past ``limit`` (default: 1% of these clips, at
+        least 10). ``self.bad.named()`` lists them."""
+        clips = sorted({int(i) for _, tr, te in chosen for i in (*tr.tolist(), *te.tolist())})
+        self.bad = BadClips(self.m, clips, limit=default_limit(len(clips)) if limit is None
+                            else limit, need_video=self.modality == "video",
+                            need_audio=self.modality == "audio",
+                            action="left out of the evaluation")
+        for i in clips:
+            reason = self.bad.check(i)
+            if reason is not None:
+                self.bad.record(i, reason)
+        found = self.bad.found
+        return [(name, _tensor(i for i in tr.tolist() if i not in found),
+                 _tensor(i for i in te.tolist() if i not in found)) for name, tr, te in chosen]
 
 
 def _tensor(index) -> torch.Tensor:

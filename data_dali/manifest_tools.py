@@ -30,7 +30,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .cli import ArgumentParser, UserError, command
+from .cli import ArgumentParser, UserError, command, prog_name
 from .fileio import atomic_write_text
 from .manifest import FIELDS, MEDIA, UNLABELED, Manifest, ManifestError, parse_split
 
@@ -206,7 +206,8 @@ def write_manifest(rows: list[dict], out, sources: list[Manifest], flag: str = "
 # ----------------------------------------------------------------------------------------------
 @command
 def main(argv=None):
-    p = ArgumentParser(prog="python -m data_dali.manifest_tools", description=__doc__)
+    p = ArgumentParser(prog=prog_name("data_dali.manifest_tools", "cmacc-manifest"),
+                       description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="stats|subset|merge")
     st = sub.add_parser("stats", help="counts of a manifest")
     st.add_argument("manifest", help="a manifest.csv or a prepared folder")

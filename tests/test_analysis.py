@@ -121,3 +121,15 @@ def test_the_demo_verdict_follows_the_t_interval_over_seeds(diffs, says):
     if len(diffs) > 1:
         half = stats.t.ppf(0.975, len(diffs) - 1) * np.std(diffs, ddof=1) / np.sqrt(len(diffs))
         assert f"± {half:.3f}" in text and (abs(np.mean(diffs)) > half) == ("excludes" in text)
+
+
+def test_analyses_add_their_sections_to_one_report(tiny_run, tmp_path, capsys):
+    """gallery then perclass into one --out: report.md and results.json hold both sections
+    (each used to overwrite the other's)."""
+    out = tmp_path / "analysis"
+    assert analysis.main(["gallery", str(tiny_run), "--out", str(out)]) == 0
+    assert analysis.main(["perclass", str(tiny_run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    report = (out / "report.md").read_text()
+    assert "## Gradient-norm gallery" in report and "## Pretext accuracy per class" in report
+    assert sorted(json.loads((out / "results.json").read_text())) == ["gallery", "perclass"]

@@ -4,6 +4,7 @@ are redone; official split files; path safety; the audio front end against libro
 
 import csv
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -290,3 +291,57 @@ def test_audio_only_sounds_shorter_than_min_seconds_are_padded(tmp_path):
     np.testing.assert_allclose(wave[:8000], tone, atol=1e-4)  # 16-bit FLAC
     assert not wave[8000:].any()
     assert np.load(tmp_path / "out" / row["mel"]).shape == (80, 161)
+
+
+def _tones(folder, seconds):
+    import soundfile as sf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, s in enumerate(seconds):
+        t = np.arange(int(16000 * s)) / 16000
+        sf.write(folder / f"s{k}.wav", 0.3 * np.sin(2 * np.pi * (300 + 50 * k) * t), 16000)
+
+
+def test_a_flat_folder_is_unlabeled_counted_as_stats_counts_and_notes_are_grouped(tmp_path):
+    """Sounds at the top of SRC (no class folders): unlabeled clips (label -1), 0 classes as
+    `cmacc-manifest stats` counts them, and one `noted` key for every padding duration."""
+    from data_dali.manifest import Manifest
+    from data_dali.manifest_tools import stats
+
+    _tones(tmp_path / "src", [0.5, 0.6, 0.7])  # three lengths below --min-seconds 1.6
+    s = prep.prepare(tmp_path / "src", tmp_path / "out", audio_only=True, workers=1,
+                     progress=False)
+    rows = _csv(tmp_path / "out" / "manifest.csv")
+    assert s["kept"] == 3 and [r["label"] for r in rows] == ["-1"] * 3
+    want = stats(Manifest(tmp_path / "out" / "manifest.csv"))
+    assert (s["classes"], s["unlabeled"]) == (want["classes"], want["unlabeled"]) == (0, 3)
+    assert s["noted"] == {"audio padded with silence": 3}
+    assert any("unlabeled clips" in w for w in s["warnings"])
+
+
+def test_nothing_found_says_the_layouts_and_the_help_names_the_command(tmp_path, capsys,
+                                                                       monkeypatch):
+    _tones(tmp_path / "src", [0.5])  # sounds, prepared as videos
+    with pytest.raises(SystemExit) as e:
+        prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--workers", "1"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert e.value.code == 2 and len(err) == 1
+    assert ("expected SRC/<class name>/<files> (labelled), video files at the top of SRC "
+            "(unlabeled), or --layout list/ucf101/hmdb51/esc50; for sounds, add --audio-only"
+            ) in err[0]
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cmacc-prepare", "--help"])
+    with pytest.raises(SystemExit):
+        prep.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cmacc-prepare ")
+    for default in ("default: 128", "default: 1.6", "default: 32"):
+        assert default in out
+
+
+def test_progress_lines_with_the_total_when_the_log_is_not_a_terminal(tmp_path, capsys):
+    _tones(tmp_path / "src" / "a", [1.0, 1.0])
+    assert prep.main([str(tmp_path / "src"), str(tmp_path / "out"), "--audio-only",
+                      "--workers", "1"]) == 0
+    err = capsys.readouterr().err  # (pytest's stderr is not a terminal: no bar is drawn)
+    assert re.search(r"prepare: 1/2 files \(50%\), eta \d+s", err), err
+    assert "prepare: 2/2 files (100%), eta 0s" in err

@@ -243,3 +243,37 @@ def test_a_real_bug_still_raises(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "evaluate", bug)
     with pytest.raises(ZeroDivisionError):
         ev.main([str(tiny_run), "--out", str(tmp_path)])
+
+
+def test_plot_labels_runs_of_one_name_alike(tiny_run, tmp_path, monkeypatch):
+    """Two runs named seed0 (runs/analysis/active/seed0, .../random/seed0) are labelled by the
+    parts that tell them apart, both the same way: active/seed0 and random/seed0."""
+    import shutil
+
+    for s in ("active", "random"):
+        (tmp_path / s / "seed0").mkdir(parents=True)
+        shutil.copy(tiny_run / "metrics.csv", tmp_path / s / "seed0")
+    seen = {}
+    monkeypatch.setattr(plot, "plot_metrics", lambda paths, out, keys: seen.update(paths) or out)
+    assert plot.main([str(tmp_path / "active" / "seed0"), str(tmp_path / "random" / "seed0"),
+                      "--out", str(tmp_path / "c.png")]) == 0
+    assert seen == {"active/seed0": str(tmp_path / "active" / "seed0" / "metrics.csv"),
+                    "random/seed0": str(tmp_path / "random" / "seed0" / "metrics.csv")}
+
+
+@pytest.mark.parametrize("main,defaults", [
+    (ev.main, ["--data DATA 'synthetic' or a prepared manifest.csv (default: the data the run "
+               "was pretrained on", "--modality {video,audio} the encoder to evaluate (default: "
+               "video; an exported file's own)", "(default: linear)", "fine-tuning epochs "
+               "(default: 10)"]),
+    (analysis.main, ["(default: runs/analysis)"]),
+    (plot.main, ["--out OUT the PNG to write (default: curves.png)"]),
+    (mi.main, ["(default: runs/mi)"]),
+])
+def test_help_shows_the_defaults(main, defaults, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # (argparse wraps lines)
+    for d in defaults:
+        assert d in text, d

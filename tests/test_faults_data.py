@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -44,9 +45,12 @@ def _tmp_files(folder):
 
 
 def _one_line_error(capsys, exc, *names):
-    """The command's error: exit 2, one line on stderr naming each of ``names``, no traceback."""
+    """The command's error: exit 2, one line on stderr naming each of ``names``, no traceback
+    (its log lines aside: "HH:MM:SS LEVEL ...", e.g. prepare's progress in a log that is not a
+    terminal)."""
     assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = "".join(ln for ln in capsys.readouterr().err.splitlines(keepends=True)
+                  if not re.match(r"\d\d:\d\d:\d\d [A-Z]+ ", ln))
     assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
     for name in names:
         assert str(name) in err, (name, err)

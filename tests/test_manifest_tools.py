@@ -189,6 +189,25 @@ def test_python_dash_m_data_dali_manifest_tools_runs(tmp_path):
     assert "python -m data_dali.manifest_tools" in old.stderr
 
 
+def test_stats_into_a_reader_that_left_ends_quietly(tmp_path):
+    """`cmacc-manifest stats ... | head`: the reader is gone before the output is written; the
+    command ends as a SIGPIPE would (exit 141), without a traceback."""
+    path = _hand_built(tmp_path / "d", HAND)
+    proc = subprocess.Popen([sys.executable, "-m", "data_dali.manifest_tools", "stats", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the interpreter has even started: nothing reads what it writes
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_help_names_the_installed_command(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/cmacc-manifest", "--help"])
+    with pytest.raises(SystemExit):
+        mt.main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: cmacc-manifest ")
+
+
 def _fails(argv, capsys, *says):
     with pytest.raises(SystemExit) as e:
         mt.main(argv)

@@ -7,6 +7,7 @@ shifted copy; the plateau rule on hand-made curves; --quick end to end."""
 import dataclasses
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -252,7 +253,7 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     assert "### coverage, second half of training" in report
 
 
-def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
+def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path, capsys):
     """A study keeps its finished runs: run again with more seeds, only the new seed trains
     (the first seed's figures are the file's, untouched); another setting is one clear error,
     except the pool, a setting of the active sampler's runs only (those train again); --report-
@@ -260,6 +261,10 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     glyphs, out = str(tmp_path / "g"), tmp_path / "mi"
     base = ["--make-glyphs", glyphs, "--quick", "--chars", "1", "--samplers", "--out", str(out)]
     assert mi.main([*base, "--seeds", "0"]) == 0
+    said = capsys.readouterr().out  # progress with the total, in a log that is not a terminal
+    for i in (1, 2, 3):
+        assert re.search(rf"^run {i} of 3 \(eta [^)]+\): l=1 seed 0 ", said, re.M), said
+    assert "run 3 of 3 (eta 0s)" in said
     first = json.loads((out / "mi.json").read_text())
     trained = []
     real_train = mi.train_one
@@ -283,9 +288,13 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path):
     assert both["untrained"]["1"]["0"] == first["untrained"]["1"]["0"]
     first_cmacc = both["runs"]["CM-ACC"]["1"]  # seeds 0, 1 at the quick pool
     assert both["seconds"] > first["seconds"]
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:  # another setting: the command's one-line error
         mi.main([*base, "--seeds", "0", "--tau", "0.2"])
     assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(r"config\.tau: [0-9.]+ there, 0\.2 now", err)
+    assert "config: {" not in err and "max_steps" not in err  # only the field that differs
     # another pool: the active sampler's runs are trained again, the random ones kept
     trained.clear()
     mp.setattr(mi.study, "train_one", counting)

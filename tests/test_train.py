@@ -10,6 +10,8 @@ import train
 from cmacc import checkpoint as ckpt
 
 TINY = ["--preset", "tiny", "--clips", "96", "--classes", "6", "--log-every", "5"]
+FAST = ["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4", "--dict-size",
+        "8", "--pool-size", "16", "--log-every", "1"]  # a second or two a run
 
 
 def _rows(out):
@@ -81,6 +83,10 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
     (["--video-width", "64"], "set --audio-width 64, or --no-fcl"),  # before any data is read
+    (["--steps", "4", "--warmup", "80"], "--warmup 80 is longer than the run (--steps 4): the "
+     "learning rate would reach only 5.0% of --lr 0.001 by its end; pass --warmup 4 or fewer"),
+    (["--preset", "paper", "--steps", "4"], "--warmup 500 (the paper preset's) is longer than the "
+     "run (--steps 4): the learning rate would reach only 0.8% of --lr 0.001 by its end"),
     (["--device", "cuda", "--batch-size", "8192", "--dict-size", "8192", "--pool-size", "16384"],
      "batch_size M=8192: on cuda the active sampler's Triton kernels take at most 4096"),
 ])
@@ -203,3 +209,45 @@ def test_a_batch_the_selection_kernels_cannot_take_is_refused_at_start(monkeypat
     assert "\n" not in msg and "at most 4096" in msg and "CMACC_KERNELS=reference" in msg, msg
     with pytest.raises(ValueError, match=r"\[1, 4096\]"):  # what the kernel itself would say
         ge.check_m(m)
+
+
+def test_blocks_per_stage_give_a_torchvision_sized_encoder_at_any_preset(tmp_path):
+    """--video-layers (or its --config key) with --video-width 64: the tiny preset's backbone
+    is torchvision's r3d_18, whose own model loads its weights strictly."""
+    import torchvision
+
+    from cmacc.encoders import export_video
+    from cmacc.model import CMACC
+
+    flags = ["--preset", "tiny", "--video-width", "64", "--audio-width", "64", "--audio-layers",
+             "2", "2", "2", "2"]
+    cfg = train.config_from_args(train.build_parser().parse_args(
+        flags + ["--video-layers", "2", "2", "2", "2"]))
+    assert cfg.model.video_layers == (2, 2, 2, 2) and cfg.model.audio_layers == (2, 2, 2, 2)
+    tv = torchvision.models.video.r3d_18()
+    tv.fc = torch.nn.Identity()
+    tv.load_state_dict(export_video(CMACC(cfg.model, cfg.selection).f_v.backbone), strict=True)
+
+    (tmp_path / "c.json").write_text(json.dumps({"video_layers": [1, 2, 1, 1]}))
+    parser = train.build_parser()
+    args = train.apply_config_file(parser, parser.parse_args(["--config", str(tmp_path / "c.json")]),
+                                   ["--config", str(tmp_path / "c.json")])
+    assert train.config_from_args(args).model.video_layers == (1, 2, 1, 1)
+
+
+def test_log_lines_carry_the_total_and_an_eta(tmp_path, capsys):
+    train.main(FAST + ["--steps", "2", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "step      1/2 (50%, eta " in err
+    assert "step      2/2 (100%, eta 0s) | loss " in err
+
+
+def test_steps_below_the_runs_step_say_that_nothing_was_trained(tmp_path, capsys):
+    small = FAST + ["--out", str(tmp_path / "run")]
+    train.main(small + ["--steps", "2"])
+    capsys.readouterr()
+    assert train.main(small + ["--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (f"the run in {tmp_path / 'run'} is already at step 2, past --steps 1: nothing was "
+            "trained") in err
+    assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt")) == ["ckpt_00000002.pt"]

@@ -16,6 +16,8 @@ exit 2 (``--debug`` keeps the traceback), checked before the first minute of wor
 from __future__ import annotations
 
 import argparse
+import hashlib
+import subprocess
 from pathlib import Path
 
 from data_dali.cli import UserError, output_folder
@@ -39,3 +41,27 @@ def output_file(path, flag: str = "--out") -> Path:
         raise UserError(f"{flag} {path}: is a folder; pass a file path, e.g. {p / 'curves.png'}")
     output_folder(p.parent, flag)
     return p
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sha256_file(path) -> str:
+    """The SHA-256 of a file's bytes (hex)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def git_commit() -> str | None:
+    """The git commit of the code that runs (None outside a git checkout)."""
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None

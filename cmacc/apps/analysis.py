@@ -18,6 +18,7 @@ for both encoders, the run to analyse) is checked before the first run starts.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -29,12 +30,14 @@ from cmacc.metrics import expected_unique, mean_ci
 from cmacc.runlog import read_csv, save_figure
 from cmacc.trainer import Trainer
 from data_dali.synthetic import class_counts
-from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
+from data_dali.cli import (ArgumentParser, UserError, command, first_line, output_folder,
+                           setup_logging)
 from data_dali.fileio import atomic_write_text
 
 from . import positive_int
 from .eval import eval_data, evaluate, load_pretrained, write_results
 
+log = logging.getLogger("cmacc.analysis")
 SAMPLER_LABELS = {"random": "random (XMoCo)", "active": "active, gradient (CM-ACC)",
                   "active-feature": "active, feature", "ohem": "OHEM"}
 
@@ -422,8 +425,30 @@ def diversity_report(res: dict) -> list[str]:
     return lines + [""]
 
 
+def merged_results(out, results: dict) -> dict:
+    """``results`` over the sections already in OUT/results.json: one analysis never drops
+    another's section (a section run again replaces its own). A results.json that does not
+    read as an object of sections is set aside, logged."""
+    path = Path(out) / "results.json"
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        log.warning("%s: not readable JSON (%s); its sections are dropped", path, first_line(e, 100))
+        old = {}
+    if not isinstance(old, dict):
+        log.warning("%s: not an object of sections; dropped", path)
+        old = {}
+    kept = sorted(set(old) - set(results))
+    if kept:
+        log.info("report.md keeps the sections %s from %s", ", ".join(kept), path)
+    return {**old, **results}
+
+
 def write_report(out, results: dict) -> Path:
+    """OUT/report.md and OUT/results.json of ``results`` merged with the sections already there
+    (``merged_results``)."""
     out = Path(out)
+    results = merged_results(out, results)
     lines = ["# CM-ACC analyses", ""]
     if "diversity" in results:
         lines += diversity_report(results["diversity"])
@@ -452,7 +477,9 @@ def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("what", choices=("diversity", "dictsize", "gallery", "perclass", "all"))
     p.add_argument("run", nargs="?", help="run folder (gallery, perclass; all: default OUT/active/seed0)")
-    p.add_argument("--out", default="runs/analysis")
+    p.add_argument("--out", default="runs/analysis",
+                   help="folder of the figures, report.md and results.json; each analysis adds "
+                        "its section to them (default: runs/analysis)")
     p.add_argument("--steps", type=positive_int, default=None,
                    help=f"pretraining steps per run (default: diversity {DIVERSITY_STEPS}, "
                         "dictsize 120)")

@@ -2,17 +2,30 @@
 end-to-end fine-tuning, for the video or the audio encoder. Installed as the command
 ``cmacc-eval`` (= ``python -m cmacc.apps.eval``).
 
-    python -m cmacc.apps.eval runs/cmacc --data synthetic --modality video --protocol linear
+    python -m cmacc.apps.eval runs/cmacc --modality video --protocol linear
     python -m cmacc.apps.eval runs/cmacc/ckpt_00001000.pt --data UCF101/manifest.csv \\
         --modality video --protocol finetune --splits 1 2 3 --out runs/cmacc/eval
+    python -m cmacc.apps.eval exported/audio_resnet1d.pt --data ESC-50/manifest.csv
 
-Results (mean top-1 over splits/folds and per split) go to OUT/eval_<modality>_<protocol>.json
-and a Markdown table beside it. ``--data synthetic`` evaluates on the built-in clips the run
-was pretrained on (held-out instances); a manifest comes from ``python -m data_dali.prepare``.
+Without ``--data`` a run is evaluated on its own pretraining data, as its checkpoint records
+it (the built-in synthetic clips: held-out instances; a manifest: its splits); the first log
+line names the encoder and the data. A run pretrained on a manifest is never evaluated on the
+synthetic clips. An exported encoder file (``cmacc-export``) is evaluated too: its
+model_card.json beside it gives the run's config and data, or ``--data`` names the data.
+
+Results (mean top-1 over splits/folds and per split) go to
+OUT/eval_<modality>_<protocol>_<data tag>.json and a Markdown table beside it; the tag names
+the dataset (``synthetic``, or the manifest's folder and the first 8 hex digits of its
+SHA-256), so results on different data sit side by side. Each records the dataset (path and
+SHA-256 of its manifest), the encoder (checkpoint and step), clips, frames, the protocol's
+settings, the damaged clips left out, the date and the commit. A damaged clip (truncated WebM,
+unreadable or non-finite log-mel, a decode failure) is left out, named and counted; past
+``--max-bad-clips`` the evaluation stops with one line (exit 2).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -20,29 +33,33 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from cmacc import checkpoint as ckpt
 from cmacc.config import Config
 from cmacc.data import eval_splits
+from cmacc.encoders import EncoderFileError, load_audio_encoder, load_video_encoder
 from cmacc.model import CMACC
 from cmacc.probe import extract_features, finetune, linear_probe
 from data_dali.cli import (ArgumentParser, UserError, command, first_line, output_folder,
                            setup_logging)
 from data_dali.fileio import atomic_write_text
 
-from . import positive_int
+from . import git_commit, positive_int, sha256_file
 
 log = logging.getLogger("cmacc.eval")
 _FIX = "pass a ckpt_*.pt file written by train.py, or its run folder"
+LINEAR = dict(weight_decay=1e-4, max_iter=200)  # the linear probe's settings (cmacc.probe)
 
 
 class CheckpointError(UserError):
     """A path that is not a usable train.py checkpoint or run folder; the message says why."""
 
 
-def load_pretrained(path) -> tuple[CMACC, dict]:
+def load_pretrained(path, state=None) -> tuple[CMACC, dict]:
     """The CMACC model of a checkpoint file or run folder (newest valid checkpoint), and the
-    checkpoint with its typed config under "cfg" and its path under "file"."""
+    checkpoint with its typed config under "cfg" and its path under "file". ``state``: the
+    file's contents, when the caller has read them already."""
     p = Path(path)
     if p.is_dir():
         found = ckpt.find_latest_valid(p)
@@ -51,13 +68,16 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
         p, state = found
     elif not p.is_file():
         raise CheckpointError(f"{p}: no such checkpoint file or run folder; {_FIX}")
-    else:
+    elif state is None:
         try:
             state = ckpt.load(p)
         except Exception as e:  # noqa: BLE001 - corrupt or foreign bytes: torch's weights-only
             # unpickler raises UnpicklingError, EOFError, RuntimeError, but also IndexError etc.
             raise CheckpointError(f"{p}: not a checkpoint file ({ckpt.why_unloadable(e)}); "
                                   f"{_FIX}") from None
+    if _is_state_dict(state):
+        raise CheckpointError(f"{p}: an encoder exported by cmacc-export, not a checkpoint of "
+                              f"train.py (cmacc-eval evaluates such a file); {_FIX}")
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise CheckpointError(f"{p}: a torch file, but not a checkpoint written by train.py (no "
                               f"config/model); {_FIX}")
@@ -74,6 +94,72 @@ def load_pretrained(path) -> tuple[CMACC, dict]:
                               f"({first_line(e, 160)}); {_FIX}") from None
     state["file"] = p
     return model, state
+
+
+def _is_state_dict(obj) -> bool:
+    return (isinstance(obj, dict) and bool(obj)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()))
+
+
+def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
+    """The backbone to evaluate and what it is: a run's (or checkpoint's) query encoder of
+    ``modality`` (default video), or an exported encoder file of cmacc-export (its modality is
+    the file's; its model_card.json beside it gives the run's config, step and data). The dict
+    holds "cfg", "file", "step" (None when unknown), "modality", "encoder" (words for the log)
+    and "data" (the pretraining data's source, None when unknown)."""
+    p = Path(path)
+    state = None
+    if p.is_file():
+        try:
+            state = ckpt.load(p)
+        except Exception:  # noqa: BLE001 - not a torch file: load_pretrained says why
+            state = None
+    if not _is_state_dict(state):
+        model, state = load_pretrained(p, state)
+        modality = modality or "video"
+        enc = model.f_v if modality == "video" else model.f_a
+        return enc.backbone, {
+            "cfg": state["cfg"], "file": state["file"], "step": int(state["step"]),
+            "modality": modality, "data": state["cfg"].data.source,
+            "encoder": f"the {modality} query encoder of {state['file']} (step {state['step']})"}
+    try:
+        backbone, found = load_audio_encoder(p), "audio"
+    except EncoderFileError:
+        try:
+            backbone, found = load_video_encoder(p), "video"
+        except EncoderFileError as e:
+            raise CheckpointError(f"{p}: a state dict, but neither encoder of cmacc-export "
+                                  f"({first_line(e, 160)}); {_FIX}, or a video_<arch>.pt / "
+                                  "audio_resnet1d.pt written by cmacc-export") from None
+    if modality and modality != found:
+        raise UserError(f"--modality {modality}: {p} is an exported {found} encoder; pass "
+                        f"--modality {found}, or the {modality} file of the export")
+    if getattr(backbone, "fc", None) is not None and isinstance(backbone.fc, nn.Linear):
+        backbone.fc = nn.Identity()  # --num-classes added a classifier: evaluate the features
+    if not hasattr(backbone, "out_dim"):  # torchvision's model: the last stage's channels
+        backbone.out_dim = [m for m in backbone.modules()
+                            if isinstance(m, nn.modules.batchnorm._BatchNorm)][-1].num_features
+    card_file = p.parent / "model_card.json"
+    card = None
+    if card_file.is_file():
+        try:
+            card = json.loads(card_file.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{card_file}: not readable JSON ({first_line(e, 100)}); "
+                                  "export the run again, or move the file away") from None
+    if card is None:
+        cfg, step, data, origin = Config(), None, None, "no model_card.json beside it"
+    else:
+        try:
+            cfg = Config.from_dict(card["config"])
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{card_file}: its config does not fit this version of cmacc "
+                                  f"({e}); export the run again") from None
+        step, data = card.get("steps"), (card.get("data") or {}).get("source")
+        origin = (f"{card.get('encoders', 'query')} encoder exported from "
+                  f"{card.get('checkpoint')} (step {step})")
+    return backbone, {"cfg": cfg, "file": p, "step": step, "modality": found, "data": data,
+                      "encoder": f"the exported {found} encoder {p} ({origin})"}
 
 
 def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, frames=None):
@@ -102,11 +188,7 @@ def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, fr
             raise UserError(f"--splits {' '.join(unknown)}: {data} has splits {', '.join(keys)}; "
                             "pass some of those or drop --splits")
         chosen = [t for t in available if t[0] in wanted or _split_key(t[0]) in wanted]
-    for name, tr, te in chosen:
-        if len(tr) == 0 or len(te) == 0:
-            raise UserError(f"--data {data}: {name} has {len(tr)} train and {len(te)} test clips "
-                            f"with {modality}; a probe needs both (prepare the data with "
-                            f"{modality}, or choose another --modality / --splits)")
+    _check_sizes(chosen, data, modality)
     if ds.num_classes < 2:
         raise UserError(f"--data {data}: {ds.num_classes} labelled class(es); a probe needs >= 2 "
                         "(prepare a labelled dataset)")
@@ -119,39 +201,134 @@ def _split_key(name: str) -> str:
     return m.group(1) if m else name
 
 
-def evaluate(model, state, data, *, modality, protocol, splits=None, device="cpu", clips=1,
-             epochs=10, lr=1e-3, batch_size=64, frames=None):
-    """Top-1 per split and mean. ``frames``: clip length for prepared datasets (default: the
-    pretraining clip length; the paper fine-tunes on 32-frame clips: --frames 32)."""
-    enc = model.f_v if modality == "video" else model.f_a
+def resolve_data(data, state) -> tuple[str, str]:
+    """The data to evaluate on and why: ``--data`` as given, or (None) the run's own
+    pretraining data as its checkpoint (or an export's model card) records it. A UserError
+    naming --data when that data is not there, when nothing records it, or when the synthetic
+    clips are asked for a run pretrained on a manifest (their figure says nothing of it)."""
+    recorded = state["data"] if "data" in state else state["cfg"].data.source
+    what = state["file"]
+    if data is None:
+        if recorded is None:
+            raise UserError(f"--data: {what} does not say which data its run was pretrained on "
+                            "(no model_card.json beside it); pass --data MANIFEST (a labelled "
+                            "manifest.csv from cmacc-prepare) or --data synthetic")
+        if recorded != "synthetic" and not Path(recorded).is_file():
+            raise UserError(f"--data: {what} was pretrained on {recorded}, which is not there "
+                            "now; pass --data MANIFEST (a labelled manifest.csv from "
+                            "cmacc-prepare)")
+        return recorded, "the run's own pretraining data"
+    if data == "synthetic" and recorded not in (None, "synthetic"):
+        raise UserError(f"--data synthetic: {what} was pretrained on {recorded}, not on the "
+                        "built-in synthetic clips, whose figure would say nothing of it; pass "
+                        f"--data with a labelled prepared manifest (e.g. --data {recorded}) or "
+                        "leave --data out to evaluate on the run's own data")
+    same = recorded is not None and (data == recorded or (
+        data != "synthetic" and recorded != "synthetic" and Path(data).is_file()
+        and Path(recorded).is_file() and Path(data).resolve() == Path(recorded).resolve()))
+    return data, "the run's own pretraining data" if same else "named by --data"
+
+
+def dataset_record(source: str) -> dict:
+    """What an evaluation result says of its data: the source (a manifest's absolute path),
+    the SHA-256 of the manifest's bytes, and the tag its result files carry (``synthetic``, or
+    the manifest's folder name and the hash's first 8 hex digits)."""
+    if source == "synthetic":
+        return {"source": "synthetic", "manifest_sha256": None, "tag": "synthetic"}
+    p = Path(source).resolve()
+    digest = sha256_file(p) if p.is_file() else None  # (not a file: eval_data says so)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", p.parent.name or p.stem).strip("._") or "data"
+    return {"source": str(p), "manifest_sha256": digest,
+            "tag": f"{name}-{digest[:8]}" if digest else name}
+
+
+def evaluate(model, state, data=None, *, modality, protocol, splits=None, device="cpu", clips=1,
+             epochs=10, lr=1e-3, batch_size=64, frames=None, max_bad_clips=None):
+    """Top-1 per split and mean, with what was measured: dataset, encoder, checkpoint step,
+    clips, frames, settings, damaged clips left out, date and commit. ``model``: a CMACC model
+    (its query encoder of ``modality``) or a backbone (``load_encoder``); ``state``: its
+    checkpoint (``load_pretrained``) or ``load_encoder``'s dict. ``data``: None is the run's
+    own pretraining data (``resolve_data``). ``frames``: clip length for prepared datasets
+    (default: the pretraining clip length; the paper fine-tunes on 32-frame clips: --frames
+    32). ``max_bad_clips``: damaged clips left out before it stops (default 1%, at least 10)."""
+    backbone = (model.f_v if modality == "video" else model.f_a).backbone \
+        if isinstance(model, CMACC) else model
     key = "video" if modality == "video" else "audio"
-    ds, chosen = eval_data(state["cfg"], data, modality=modality, protocol=protocol,
-                           splits=splits, frames=frames)
+    cfg = state["cfg"]
+    source, why = resolve_data(data, state)
+    record = dataset_record(source)
+    step = state.get("step")
+    encoder = state.get("encoder") or (f"the {modality} query encoder of {state['file']} "
+                                       f"(step {step})")
+    digest = record["manifest_sha256"]
+    log.info("evaluating %s on %s (%s%s)", encoder, record["source"], why,
+             f"; manifest sha256 {digest[:12]}" if digest else "")
+    ds, chosen = eval_data(cfg, source, modality=modality, protocol=protocol, splits=splits,
+                           frames=frames)
+    bad = None
+    if hasattr(ds, "leave_out_damaged"):
+        chosen = ds.leave_out_damaged(chosen, max_bad_clips)
+        bad = ds.bad
+        _check_sizes(chosen, source, modality)
     results = []
     for k, (name, tr, te) in enumerate(chosen):
         with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
             torch.manual_seed(_SEED + k)  # the head's init, dropout: the same on every run
-            res = _evaluate_split(enc, ds, tr, te, key=key, protocol=protocol, device=device,
-                                  clips=clips, epochs=epochs, lr=lr, batch_size=batch_size)
+            res = _evaluate_split(backbone, ds, tr, te, key=key, protocol=protocol,
+                                  device=device, clips=clips, epochs=epochs, lr=lr,
+                                  batch_size=batch_size)
         res["split"] = name
         log.info("%s %s %s: top-1 %.4f", modality, protocol, name, res["top1"])
         results.append(res)
     mean = sum(r["top1"] for r in results) / len(results)
-    return {"modality": modality, "protocol": protocol, "top1_mean": mean, "splits": results}
+    settings = (dict(LINEAR, batch_size=batch_size) if protocol == "linear" else
+                dict(epochs=epochs, lr=lr, weight_decay=FINETUNE_WD, batch_size=batch_size))
+    if bad is not None and bad.count:
+        log.warning("%d damaged clip(s) left out of the evaluation (listed under bad_clips in "
+                    "the result)", bad.count)
+    return {
+        "modality": modality, "protocol": protocol, "top1_mean": mean, "splits": results,
+        "data": dict(record, how=why), "encoder": encoder,
+        "checkpoint": str(state["file"]), "step": None if step is None else int(step),
+        "clips": clips, "frames": getattr(ds, "t", cfg.data.frames), "settings": settings,
+        "bad_clips": {"count": bad.count if bad else 0, "limit": bad.limit if bad else None,
+                      "clips": bad.named() if bad else []},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
+
+
+def _check_sizes(chosen, data, modality) -> None:
+    for name, tr, te in chosen:
+        if len(tr) == 0 or len(te) == 0:
+            raise UserError(f"--data {data}: {name} has {len(tr)} train and {len(te)} test clips "
+                            f"with {modality}; a probe needs both (prepare the data with "
+                            f"{modality}, or choose another --modality / --splits)")
 
 
 _SEED = 20210503  # the evaluation's own seed (split k uses _SEED + k): results repeat
+FINETUNE_WD = 1e-4  # fine-tuning's weight decay (Adam)
 
 
 def _evaluate_split(enc, ds, tr, te, *, key, protocol, device, clips, epochs, lr, batch_size):
-    backbone = _fresh_copy(enc.backbone).to(device)
+    backbone = _fresh_copy(enc).to(device)
     if protocol == "linear":
-        xtr, ytr, _ = extract_features(backbone, ds.batches(tr, batch_size), key, device, 1)
-        xte, yte, _ = extract_features(backbone, ds.batches(te, batch_size), key, device, clips)
-        return linear_probe(xtr, ytr, xte, yte, num_classes=ds.num_classes)
-    return finetune(backbone, enc.backbone.out_dim, ds.num_classes,
+        xtr, ytr, _ = _features(backbone, ds, tr, batch_size, key, device, 1)
+        xte, yte, _ = _features(backbone, ds, te, batch_size, key, device, clips)
+        return linear_probe(xtr, ytr, xte, yte, num_classes=ds.num_classes, **LINEAR)
+    return finetune(backbone, enc.out_dim, ds.num_classes,
                     ds.batches(tr, batch_size, shuffle_seed=1), ds.batches(te, batch_size),
-                    key, device, epochs=epochs, lr=lr, clips=clips)
+                    key, device, epochs=epochs, lr=lr, clips=clips, weight_decay=FINETUNE_WD)
+
+
+def _features(backbone, ds, index, batch_size, key, device, clips):
+    """extract_features, less the clips found damaged on the way (in any pass)."""
+    x, y, idx = extract_features(backbone, ds.batches(index, batch_size), key, device, clips)
+    found = getattr(getattr(ds, "bad", None), "found", None)
+    if found:
+        keep = torch.tensor([int(i) not in found for i in idx], dtype=torch.bool)
+        x, y, idx = x[keep], y[keep], idx[keep]
+    return x, y, idx
 
 
 def _fresh_copy(module):
@@ -163,13 +340,44 @@ def _fresh_copy(module):
     return m
 
 
+def result_stem(res: dict) -> str:
+    """eval_<modality>_<protocol>_<data tag>: results on other data never share a file."""
+    tag = (res.get("data") or {}).get("tag")
+    return f"eval_{res['modality']}_{res['protocol']}" + (f"_{tag}" if tag else "")
+
+
+_SAME_MEASUREMENT = ("encoder", "step", "clips", "frames", "settings")
+
+
 def write_results(res: dict, out: Path) -> tuple[Path, Path]:
+    """OUT/<result_stem>.json and .md, whole. A file of the same data and protocol from
+    another encoder, step or settings is replaced with a warning naming what it held."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"eval_{res['modality']}_{res['protocol']}"
+    stem = result_stem(res)
     js, md = out / f"{stem}.json", out / f"{stem}.md"
-    lines = [f"| {res['modality']} {res['protocol']} | top-1 |", "|---|---|"]
+    try:
+        old = json.loads(js.read_text()) if js.is_file() else None
+    except (OSError, ValueError):
+        old = None
+    if isinstance(old, dict):
+        changed = [k for k in _SAME_MEASUREMENT if old.get(k) != res.get(k)]
+        if changed:
+            log.warning("%s held top-1 %.4f of %s; replaced (it differs in %s)", js,
+                        old.get("top1_mean", float("nan")), old.get("encoder"), ", ".join(changed))
+    data = res.get("data") or {}
+    lines = [f"| {res['modality']} {res['protocol']} ({data.get('tag', '?')}) | top-1 |",
+             "|---|---|"]
     lines += [f"| {r['split']} | {100 * r['top1']:.1f} |" for r in res["splits"]]
     lines.append(f"| **mean** | **{100 * res['top1_mean']:.1f}** |")
+    if data:
+        lines.append("")
+        lines.append(f"data: {data['source']}" + (f" (manifest sha256 {data['manifest_sha256']})"
+                                                  if data.get("manifest_sha256") else ""))
+    if res.get("encoder"):
+        lines.append(f"encoder: {res['encoder']}")
+    n_bad = (res.get("bad_clips") or {}).get("count", 0)
+    if n_bad:
+        lines.append(f"damaged clips left out: {n_bad} (listed in {js.name})")
     atomic_write_text(js, json.dumps(res, indent=2))
     atomic_write_text(md, "\n".join(lines) + "\n")
     return js, md
@@ -179,33 +387,55 @@ def write_results(res: dict, out: Path) -> tuple[Path, Path]:
                "the same command again: it gives the same figures")
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
-    p.add_argument("checkpoint", help="a ckpt_*.pt file or a run folder (newest valid checkpoint)")
-    p.add_argument("--data", default="synthetic", help="'synthetic' or a prepared manifest")
-    p.add_argument("--modality", choices=("video", "audio"), default="video")
-    p.add_argument("--protocol", choices=("linear", "finetune"), default="linear")
+    p.add_argument("checkpoint", help="a ckpt_*.pt file, a run folder (newest valid checkpoint), "
+                                      "or an encoder file written by cmacc-export")
+    p.add_argument("--data", default=None,
+                   help="'synthetic' or a prepared manifest.csv (default: the data the run was "
+                        "pretrained on, as its checkpoint or model card records it)")
+    p.add_argument("--modality", choices=("video", "audio"), default=None,
+                   help="the encoder to evaluate (default: video; an exported file's own)")
+    p.add_argument("--protocol", choices=("linear", "finetune"), default="linear",
+                   help="linear probe on frozen features or end-to-end fine-tuning "
+                        "(default: linear)")
     p.add_argument("--splits", nargs="*", help="official splits / folds to run (default: all)")
-    p.add_argument("--clips", type=positive_int, default=1, help="test clips per video (averaged)")
-    p.add_argument("--epochs", type=positive_int, default=10, help="fine-tuning epochs")
-    p.add_argument("--lr", type=float, default=1e-3, help="fine-tuning learning rate")
-    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--clips", type=positive_int, default=1,
+                   help="test clips per video, averaged (default: 1)")
+    p.add_argument("--epochs", type=positive_int, default=10,
+                   help="fine-tuning epochs (default: 10)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="fine-tuning learning rate (default: 0.001)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="(default: 64)")
     p.add_argument("--frames", type=positive_int, default=None,
                    help="clip length on prepared data (default: the pretraining length for linear probes, "
                         "32 for video fine-tuning as in the paper)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None)
-    p.add_argument("--out", default=None, help="results folder (default: <run>/eval)")
+    p.add_argument("--max-bad-clips", type=int, default=None,
+                   help="damaged clips left out (named, counted) before the evaluation stops "
+                        "(default: 1%% of the clips evaluated, at least 10)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="(default: cuda if available)")
+    p.add_argument("--out", default=None, help="results folder (default: <run>/eval, or the "
+                                               "exported file's folder/eval)")
     args = p.parse_args(argv)
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    if args.max_bad_clips is not None and args.max_bad_clips < 0:
+        p.error(f"--max-bad-clips must be >= 0, got {args.max_bad_clips}")
     setup_logging()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
-    model, state = load_pretrained(args.checkpoint)
+    chosen = logging.getLogger("cmacc.checkpoint")  # (its "newest valid checkpoint" line: the
+    level, chosen.level = chosen.level, logging.WARNING  # first line below names that file)
+    try:
+        backbone, state = load_encoder(args.checkpoint, args.modality)
+    finally:
+        chosen.setLevel(level)
     run = Path(args.checkpoint)
     out = output_folder(args.out or (run if run.is_dir() else run.parent) / "eval", "--out")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    res = evaluate(model, state, args.data, modality=args.modality, protocol=args.protocol,
-                   splits=args.splits, device=device, clips=args.clips, epochs=args.epochs,
-                   lr=args.lr, batch_size=args.batch_size, frames=args.frames)
+    res = evaluate(backbone, state, args.data, modality=state["modality"],
+                   protocol=args.protocol, splits=args.splits, device=device, clips=args.clips,
+                   epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, frames=args.frames,
+                   max_bad_clips=args.max_bad_clips)
     js, md = write_results(res, out)
     print(md.read_text())
     print(f"results: {js}")

@@ -10,7 +10,8 @@ writes, from the newest valid checkpoint of a run folder (or the checkpoint give
                       (``--num-classes N``: with a freshly initialised ``fc`` of N classes)
   audio_resnet1d.pt   the 1-D audio ResNet over the log-mel
   model_card.json     config, data (manifest and its SHA-256), steps, date, commit, the eval
-                      results found in the run, and how to load each file
+                      results found in the run (each with its dataset, checkpoint and
+                      settings), and how to load each file
 
 Only tensors are written: ``torch.load(path, weights_only=True)`` reads every file. Loading:
 
@@ -27,9 +28,8 @@ torchvision's models have one size (width 64, two blocks per stage); a run of an
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
-import subprocess
+import logging
 import sys
 from pathlib import Path
 
@@ -41,10 +41,10 @@ from cmacc.encoders import backbone_features, export_video, is_torchvision_size
 from data_dali.cli import ArgumentParser, UserError, command, output_folder, setup_logging
 from data_dali.fileio import atomic_write_text
 
-from . import positive_int
+from . import git_commit, positive_int, sha256_file
 from .eval import load_pretrained
 
-ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger("cmacc.export")
 
 
 def export(model, *, keys: bool = False, num_classes: int | None = None,
@@ -83,7 +83,7 @@ def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "checkpoint_date": datetime.datetime.fromtimestamp(
             Path(state["file"]).stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": git_commit(),
         "data": _data(cfg.data.source),
         "config": cfg.to_dict(),
         "video": {"file": f"video_{arch}.pt", "arch": arch, "width": m.video_width,
@@ -96,17 +96,9 @@ def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: 
                   "features": backbone_features(m.audio_width, m.audio_layers),
                   "load": "model = cmacc.encoders.load_audio_encoder('audio_resnet1d.pt')",
                   "input": f"[B, {m.n_mels}, L] log-mel, 100 frames per second (data_dali/audio.py)"},
-        "sha256": {name: _sha256(p) for name, p in files.items()},
+        "sha256": {name: sha256_file(p) for name, p in files.items()},
         "eval": _eval_results(run),
     }
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _data(source: str) -> dict:
@@ -114,29 +106,24 @@ def _data(source: str) -> dict:
     if source == "synthetic":
         return {"source": "synthetic"}
     p = Path(source)
-    return {"source": source, "manifest_sha256": _sha256(p) if p.is_file() else None}
-
-
-def _commit() -> str | None:
-    """The git commit of the code doing the export (None outside a git checkout)."""
-    try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return {"source": source, "manifest_sha256": sha256_file(p) if p.is_file() else None}
 
 
 def _eval_results(run: Path) -> dict:
-    """RUN/eval/eval_*.json written by cmacc.apps.eval, by file name."""
+    """RUN/eval/eval_*.json written by cmacc.apps.eval, by file name, each with the dataset,
+    checkpoint and settings it records. A result that records no dataset (written by an older
+    cmacc-eval) is left out, and said: its figure could be of any data."""
     found = {}
     for p in sorted((run / "eval").glob("eval_*.json")):
         try:
-            found[p.name] = json.loads(p.read_text())
+            res = json.loads(p.read_text())
         except (OSError, ValueError):
             continue  # a damaged result is left out of the card, never fatal
+        if not isinstance(res, dict) or not isinstance(res.get("data"), dict):
+            log.warning("%s records no dataset (an older cmacc-eval): left out of the model card; "
+                        "run cmacc-eval again to include it", p)
+            continue
+        found[p.name] = res
     return found
 
 

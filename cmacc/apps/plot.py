@@ -35,20 +35,32 @@ def metrics_columns(run) -> tuple[Path, list[str]]:
     return path, columns
 
 
+def run_labels(folders) -> list[str]:
+    """A legend label per run: the fewest trailing path parts that tell the runs apart, the
+    same number for every run (runs/a/seed0, runs/b/seed0 → a/seed0, b/seed0)."""
+    parts = [Path(f).resolve().parts for f in folders]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(Path(f)) for f in folders]  # the same folder twice: as given
+
+
 @command
 def main(argv=None):
     p = ArgumentParser(description=__doc__)
     p.add_argument("runs", nargs="+", help="run folders (each with metrics.csv) or metrics.csv files")
-    p.add_argument("--out", default="curves.png")
+    p.add_argument("--out", default="curves.png", help="the PNG to write (default: curves.png)")
     p.add_argument("--keys", nargs="+", default=["loss", "acc", "unique_per_m", "coverage", "gnorm"],
-                   help="metrics.csv columns, one panel each")
+                   help="metrics.csv columns, one panel each (default: loss acc unique_per_m "
+                        "coverage gnorm)")
     args = p.parse_args(argv)
-    paths, columns = {}, set()
+    found, columns = [], set()
     for r in args.runs:
         path, cols = metrics_columns(r)
-        label = path.parent.name or str(path)
-        paths[str(path.parent) if label in paths else label] = str(path)  # two runs, one name
+        found.append(path)
         columns.update(cols)
+    paths = dict(zip(run_labels([f.parent for f in found]), map(str, found)))
     missing = [k for k in args.keys if k not in columns]
     if missing:
         have = ", ".join(sorted(columns - {"step"}))

@@ -14,10 +14,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from ..cli import ArgumentParser, command, ignore_interrupts, output_folder, setup_logging
+from ..cli import (ArgumentParser, ProgressLog, command, ignore_interrupts, output_folder,
+                   prog_name, setup_logging)
 from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
-from .config import PrepareConfig, PrepareError
+from ..manifest import UNLABELED
+from .config import AUDIO_EXT, VIDEO_EXT, PrepareConfig, PrepareError
 from .outputs import _assign_outputs, _check_space, _remove_unfinished, _writing, SPACE_FACTOR
 from .records import _job
 from .sources import LAYOUTS, scan
@@ -44,8 +46,12 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
     for w in warnings:
         log.warning("%s", w)
     if not items:
-        raise PrepareError(f"{src}: no {'audio' if audio_only else 'video'} files found; expected "
-                           "SRC/<class name>/<files> (or --layout list/ucf101/hmdb51/esc50)")
+        kind = "audio" if audio_only else "video"
+        exts = ", ".join(sorted(AUDIO_EXT if audio_only else VIDEO_EXT))
+        raise PrepareError(f"{src}: no {kind} files found ({exts}); expected SRC/<class "
+                           f"name>/<files> (labelled), {kind} files at the top of SRC (unlabeled), "
+                           "or --layout list/ucf101/hmdb51/esc50"
+                           + ("" if audio_only else "; for sounds, add --audio-only"))
     output_folder(out, "OUT")
     with _writing(out, "starting"):
         (out / "records").mkdir(exist_ok=True)
@@ -73,6 +79,9 @@ def _run(jobs: list, workers, progress: bool) -> list:
 
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     results = []
+    # a log that is not a terminal gets progress lines with the total and an ETA instead
+    lines = ProgressLog(log, "prepare:", len(jobs), " files",
+                        enabled=progress and not sys.stderr.isatty())
     with tqdm(total=len(jobs), desc="prepare", unit="file", disable=None if progress else True) as bar:
         if workers > 1:
             import multiprocessing as mp
@@ -82,10 +91,12 @@ def _run(jobs: list, workers, progress: bool) -> list:
                 for res in pool.imap_unordered(_job, jobs, chunksize=1):
                     results.append(res)
                     bar.update(1)
+                    lines.update(len(results))
         else:
             for j in jobs:
                 results.append(_job(j))
                 bar.update(1)
+                lines.update(len(results))
     return results
 
 
@@ -106,7 +117,7 @@ def _finish(out: Path, items, results, warnings) -> dict:
             continue
         r = rec["row"]
         for n in filter(None, r.get("notes", "").split(" | ")):
-            noted[re.split(r" \(|:", n)[0]] += 1
+            noted[note_kind(n)] += 1
         label = it["label"] if it["label"] is not None else label_of[it["class_name"]]
         rows.append(dict(id=len(rows), label=label, class_name=it["class_name"],
                          split1=it["split1"], split2=it["split2"], split3=it["split3"],
@@ -121,7 +132,8 @@ def _finish(out: Path, items, results, warnings) -> dict:
         log.warning("%s", warnings[-1])
     summary = dict(files=len(items), kept=len(rows), rejected=len(rejects),
                    skipped_done=skipped, processed=len(items) - skipped,
-                   classes=len({r["label"] for r in rows}),
+                   classes=len({r["label"] for r in rows} - {UNLABELED}),
+                   unlabeled=sum(1 for r in rows if r["label"] == UNLABELED),
                    video_only=sum(1 for r in rows if r["video"] and not r["audio_present"]),
                    rejects_by_reason=dict(sorted(reasons.items())), noted=dict(sorted(noted.items())),
                    warnings=warnings, manifest=str(out / "manifest.csv"),
@@ -129,6 +141,12 @@ def _finish(out: Path, items, results, warnings) -> dict:
     log.info("kept %d of %d files (%d rejected, see %s)", len(rows), len(items), len(rejects),
              out / "rejects.csv")
     return summary
+
+
+def note_kind(note: str) -> str:
+    """What the summary counts a note under: its words before any figure or detail
+    ("audio padded with silence from 0.37 s to 1.60 s" → "audio padded with silence")."""
+    return re.split(r"\s*(?:[(:,]|\b(?:from |at |to )?\d)", note)[0] or note
 
 
 def _stray_outputs(out: Path, rows: list[dict]) -> int:
@@ -151,7 +169,7 @@ def _write_csv(path: Path, rows: list[dict], fields: list[str]):
 
 @command
 def main(argv=None):
-    p = ArgumentParser(prog="python -m data_dali.prepare",
+    p = ArgumentParser(prog=prog_name("data_dali.prepare", "cmacc-prepare"),
                        description=sys.modules[__package__].__doc__)
     p.add_argument("src", help="source folder")
     p.add_argument("out", help="output folder (clips/, manifest.csv, rejects.csv, records/); "
@@ -163,11 +181,12 @@ def main(argv=None):
     p.add_argument("--splits", help="folder of official split files (ucf101: ucfTrainTestlist, "
                    "hmdb51: testTrainMulti_7030_splits)")
     p.add_argument("--audio-only", action="store_true", help="an audio dataset (implied by esc50)")
-    p.add_argument("--fps", type=float, default=10.0, help="target frame rate (paper: 10)")
-    p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even)")
+    p.add_argument("--fps", type=float, default=10.0, help="target frame rate (default: 10, the paper's)")
+    p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even; default: 128)")
     p.add_argument("--min-seconds", type=float, default=1.6,
-                   help="reject videos shorter than this (audio-only: pad shorter sounds with silence to it)")
-    p.add_argument("--crf", type=int, default=32, help="VP9 quality, 0-63 (lower = better)")
+                   help="reject videos shorter than this (audio-only: pad shorter sounds with silence to "
+                        "it; default: 1.6)")
+    p.add_argument("--crf", type=int, default=32, help="VP9 quality, 0-63 (lower = better; default: 32)")
     p.add_argument("--no-mel", dest="mel", action="store_false",
                    help="do not precompute log-mels (loaders then compute them from the FLAC)")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")

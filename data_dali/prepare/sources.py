@@ -56,6 +56,18 @@ def scan(src: Path, layout: str = "auto", list_file=None, splits=None,
                 items.append(_item(f.relative_to(src), cls.name))
             else:
                 skipped[f.suffix.lower() or "(none)"] += 1
+    top = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.startswith(".")
+           and f.suffix.lower() in exts]
+    if top and layout == "folders":
+        if items:  # labelled class folders beside them: a file at the top has no class
+            warnings.append(f"left out {len(top)} files at the top of SRC, outside the class "
+                            f"folders (e.g. {top[0].name}): move them into SRC/<class name>/, or "
+                            "list them with --layout list and label -1 (unlabeled)")
+        else:  # a flat folder: unlabelled clips (pretraining uses them; probes leave them out)
+            items = [_item(f.name, "", label=UNLABELED) for f in top]
+            warnings.append(f"no class folders in SRC: its {len(top)} files are unlabeled clips "
+                            "(label -1: pretraining uses them, probes need labels: put them in "
+                            "SRC/<class name>/ for those)")
     if outputs:
         warnings.append(f"left out {len(outputs)} prepared dataset folder(s) inside SRC (outputs "
                         f"are never sources): {', '.join(sorted(outputs)[:3])}")

@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from data_dali.cli import ArgumentParser, UserError, command, output_folder
+from data_dali.cli import ArgumentParser, UserError, command, output_folder, prog_name
 
 from cmacc.config import POOL_MODES
 
@@ -32,10 +32,11 @@ FIELD_HELP = {  # MIConfig's fields that need more than their default
 def main(argv=None):
     from cmacc.apps import mi
 
-    p = ArgumentParser(prog="python -m cmacc.apps.mi", description=mi.__doc__)
+    p = ArgumentParser(prog=prog_name("cmacc.apps.mi", "cmacc-mi"), description=mi.__doc__)
     p.add_argument("--omniglot", help="folder holding omniglot-py/images_background")
     p.add_argument("--make-glyphs", metavar="DIR", help="write generated glyphs there and use them")
-    p.add_argument("--out", default="runs/mi")
+    p.add_argument("--out", default="runs/mi",
+                   help="folder of mi.json, report.md and the plots (default: runs/mi)")
     p.add_argument("--chars", type=positive_int, nargs="+", default=[1, 2, 3, 4, 6, 8])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", choices=tuple(ALL_METHODS), default=list(METHODS),

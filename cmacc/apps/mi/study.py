@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from cmacc.metrics import expected_unique
-from data_dali.cli import UserError
+from data_dali.cli import UserError, eta
 from data_dali.fileio import atomic_write_text
 
 from .data import (PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, TRAIN_DRAWERS, Glyphs,
@@ -101,10 +101,27 @@ def _resume(path: Path, settings: dict) -> dict:
         return a == b
     diff = [k for k in settings if not same(k)]
     if diff:
-        what = "; ".join(f"{k}: {old.get(k)!r} there, {settings[k]!r} now" for k in diff)
+        what = "; ".join(_differences(k, old.get(k), settings[k]) for k in diff)
         raise UserError(f"{path}: a study with other settings ({what}); pass another --out, or "
                         "the same settings to resume it")
     return {k: old.get(k, v) for k, v in empty.items()}
+
+
+def _say(line: str) -> None:
+    """A progress line on stdout, at once (a log file or pipe gets it as it happens)."""
+    print(line, flush=True)
+
+
+def _differences(key, there, now) -> str:
+    """``key: A there, B now``; of two dicts (the config), only the fields that differ, by
+    name: ``config.max_steps: 60 there, 80 now``."""
+    if isinstance(there, dict) and isinstance(now, dict):
+        keys = [k for k in sorted(set(there) | set(now)) if there.get(k) != now.get(k)
+                and k not in ("pool_mult", "pool_mode")]  # (the pool: a setting of each run)
+        if keys:
+            return "; ".join(f"{key}.{k}: {there.get(k)!r} there, {now.get(k)!r} now"
+                             for k in keys)
+    return f"{key}: {there!r} there, {now!r} now"
 
 
 def _run_done(results, seed, l, m) -> bool:
@@ -149,10 +166,11 @@ def diversity_law(pairs: MultiOmniglotPairs, m: int) -> dict[str, float]:
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         n_train=PAPER_TRAIN_PAIRS, n_test=2000, n_probe=10_000, seeds=(0, 1, 2),
         methods=tuple(METHODS), relation="next", sampler_chars=None,
-        samplers=tuple(SAMPLERS), log=print, verbose=False) -> dict:
+        samplers=tuple(SAMPLERS), log=None, verbose=False) -> dict:
     """Train and probe every run of ``plan``; ``mi.json`` in ``out`` is rewritten after each
     one, and runs already there (same settings) are kept, not trained again."""
     cfg = cfg or MIConfig()
+    log = log or _say
     glyphs = Glyphs(root)
     check_glyphs(glyphs, root, max(chars))
     out = Path(out)
@@ -202,6 +220,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         results["seconds"] += now - t_last
         t_last = now
 
+    t_start, n_done, n_new = time.perf_counter(), kept, 0  # "run i of N" and the ETA
     for seed, l, m in todo:
         if _run_done(results, seed, l, m):
             continue
@@ -230,7 +249,10 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
             hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
         results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
             {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
-        log(f"l={l} seed {seed} {m}: probe {acc['held_out']:.3f} (seen drawings "
+        n_done, n_new = n_done + 1, n_new + 1
+        left = eta(len(todo) - n_done, n_new, time.perf_counter() - t_start)
+        log(f"run {n_done} of {len(todo)} (eta {left}): l={l} seed {seed} {m}: probe "
+            f"{acc['held_out']:.3f} (seen drawings "
             f"{acc['seen']:.3f})  ({hist['steps']} steps, {hist['stop']}, pretext acc "
             f"{hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
         tick()
