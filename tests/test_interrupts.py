@@ -33,10 +33,10 @@ def _signal_when(cmd, ready, sig, tmp_path, timeout=120):
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
                              text=True, start_new_session=True, preexec_fn=_default_sigint)
         deadline = time.time() + timeout
-        while not ready(err_file.read_text()):
-            assert p.poll() is None and time.time() < deadline, err_file.read_text()[-3000:]
-            time.sleep(0.2)
-        try:
+        try:  # the wait too: a command that never gets ready must not outlive the test
+            while not ready(err_file.read_text()):
+                assert p.poll() is None and time.time() < deadline, err_file.read_text()[-3000:]
+                time.sleep(0.2)
             os.killpg(p.pid, sig)
             out, _ = p.communicate(timeout=timeout)
         finally:
