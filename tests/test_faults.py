@@ -5,6 +5,7 @@ after a resume; bad command lines end in one line on stderr, exit 2, no tracebac
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,15 +79,26 @@ def test_resume_auto_names_the_skipped_checkpoints(tmp_path, capsys):
     assert "ckpt_00000003.pt (step 3)" in log and "resumed run" in log
 
 
-def test_resume_with_another_world_size_is_refused(tmp_path, capsys):
-    out = tmp_path / "run"
+def test_a_checkpoint_of_another_world_size_resumes_and_says_what_changed(tmp_path, capsys):
+    """A checkpoint written by 8 ranks resumes in one process (nothing in it depends on the
+    world size): one log line names what was re-derived, and the run ends equal to the same
+    resume of the same checkpoint marked as written by one rank."""
+    out, same = tmp_path / "run", tmp_path / "same"
     train.main(TINY + ["--steps", "2", "--out", str(out)])
-    path = out / "ckpt_00000002.pt"
-    state = ckpt.load(path)
+    shutil.copytree(out, same)
+    state = ckpt.load(out / "ckpt_00000002.pt")
     state["world_size"] = 8
-    torch.save(state, path)
-    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
-    assert "written by 8 ranks" in err and "same number of ranks" in err
+    torch.save(state, out / "ckpt_00000002.pt")
+    capsys.readouterr()
+    train.main(TINY + ["--steps", "4", "--out", str(out)])
+    log = capsys.readouterr().err
+    changed = [line for line in log.splitlines() if "world size" in line]
+    assert len(changed) == 1 and "world size 8 -> 1: 16 clips per rank (was 2)" in changed[0], log
+    train.main(TINY + ["--steps", "4", "--out", str(same)])
+    assert "world size" not in capsys.readouterr().err
+    a, b = ckpt.load(out / "ckpt_00000004.pt"), ckpt.load(same / "ckpt_00000004.pt")
+    torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)
+    torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0, atol=0)
 
 
 # -- non-finite losses: stop before any save, or skip -----------------------------------------
