@@ -152,7 +152,7 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
     agent C joins and the next attempt is at 2 again, from the step the world-1 attempt saved
     on its way out. The run ends at its step with each metrics row once, and the pools hold
     the clips of every step in the law's order (nothing lost, repeated or reordered)."""
-    out, steps, port = tmp_path / "run", 45, _free_port()
+    out, steps, port = tmp_path / "run", 40, _free_port()
     agent = RUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lost-node",
                    "--max-restarts=2", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=3,"
@@ -181,6 +181,8 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
             os.kill(pid, signal.SIGKILL)
         b.wait(10)
         procs.remove(b)
+        # (once A's worker has failed: it may still have been writing a checkpoint)
+        _wait_for("A's worker to fail", lambda: said("failed (exitcode"), procs, 60)
         newest = _newest(out)[0]
         _wait_for("the world-1 attempt", lambda: said("world size 2 -> 1"), procs, 90)
         node("C")
@@ -215,7 +217,8 @@ def damaged_manifest(tiny_prepared, tmp_path):
     return data / "manifest.csv"
 
 
-def test_an_agreed_stop_ends_every_rank_and_is_not_restarted_into(damaged_manifest, tmp_path):
+def test_an_agreed_stop_ends_every_rank_and_is_not_restarted_into(damaged_manifest, tmp_path,
+                                                                  capsys):
     """--max-bad-clips 0 and one damaged clip, met by one rank only: both ranks stop after the
     same step (a checkpoint of it is saved) with the same line; torchrun's restart repeats the
     line at once instead of training again; a new command with a higher limit continues."""
@@ -237,5 +240,6 @@ def test_an_agreed_stop_ends_every_rank_and_is_not_restarted_into(damaged_manife
     assert stopped["line"] == lines[0][len("error: "):] and stopped["code"] == 2
     assert ckpt.load(out / f"ckpt_{stopped['step']:08d}.pt")["step"] == stopped["step"] < 6
     # the fix, as a new command: the record is gone and the run continues from that step
-    log = _run([sys.executable] + args + ["--max-bad-clips", "5"])
+    train.main(args[1:] + ["--max-bad-clips", "5"])
+    log = capsys.readouterr().err
     assert f"at step {stopped['step']}" in log and not (out / ckpt.STOP_FILE).exists()
