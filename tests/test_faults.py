@@ -143,6 +143,41 @@ def test_nan_steps_can_be_skipped_and_counted(tmp_path, nan_at_step):
                if torch.is_tensor(v) and v.is_floating_point())
 
 
+def test_a_restart_after_an_agreed_nan_stop_repeats_the_line_at_once(tmp_path, nan_at_step,
+                                                                     monkeypatch, capsys):
+    """As torchrun sees it (its environment set by hand, one rank): the NaN stop is recorded in
+    OUT/stopped.json; a restarted attempt of the same job ends at once with the same line and
+    exit code, before any work (no resume, no checkpoint touched); another job's restart does
+    not read it, and a new job's first attempt removes it."""
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "6", "--ckpt-every", "1", "--out", str(out)]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    healthy = CMACC.forward
+    nan_at_step(2)
+    with pytest.raises(SystemExit) as first:
+        train.main(argv)
+    stop = json.loads((out / ckpt.STOP_FILE).read_text())
+    assert stop["line"] in str(first.value.code) and stop["code"] == 1 and stop["step"] == 2
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("ckpt_*.pt")}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as again:
+        train.main(argv)
+    assert again.value.code == first.value.code  # the same line, exit 1 (sys.exit of a str)
+    err = capsys.readouterr().err
+    assert "not training again into the same failure" in err and "resumed run" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("ckpt_*.pt")} == before
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")  # another job's restart trains
+    monkeypatch.setattr(CMACC, "forward", healthy)
+    train.main(argv)
+    assert "resumed run" in capsys.readouterr().err and (out / ckpt.STOP_FILE).exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: the record goes
+    train.main(argv)
+    assert not (out / ckpt.STOP_FILE).exists()
+
+
 # -- resume continuity: metrics, TensorBoard and summary as if never interrupted --------------
 def test_resumed_metrics_and_summary_equal_an_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
