@@ -22,11 +22,12 @@ def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
 
 
 def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-                 views: int = 1, device="cpu", out=None):
+                 views: int = 1, device="cpu", out=None, stop_past_limit: bool = True):
     """Shuffled epochs of this rank's share of each global batch of ``batch_size`` clips
     (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset.
     Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv; past
-    --max-bad-clips the trainer stops every rank (``loader.bad``: the count it agrees on).
+    --max-bad-clips the loader raises, or with ``stop_past_limit=False`` leaves the stop to the
+    caller (the trainer agrees on ``loader.bad.count`` over ranks and stops every rank).
 
     The data order does not depend on ``world`` (both loaders): epoch e is one permutation of
     the dataset drawn from (seed, e), global batch b is its clips [b M, (b + 1) M), and rank r
@@ -46,7 +47,7 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   prefetch=dcfg.prefetch,
                                   bad_clips_csv=out and Path(out) / "bad_clips.csv",
                                   max_bad_clips=None if dcfg.max_bad_clips < 0
-                                  else dcfg.max_bad_clips, stop_past_limit=False)
+                                  else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 
 
 class SyntheticSplits:

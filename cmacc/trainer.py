@@ -305,7 +305,8 @@ class Trainer:
         try:
             self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
                                        seed=cfg.model.seed, rank=self.rank, world=self.world,
-                                       views=views, device=self.device, out=self.out)
+                                       views=views, device=self.device, out=self.out,
+                                       stop_past_limit=False)  # agreed: _nonfinite
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)

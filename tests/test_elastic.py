@@ -9,6 +9,7 @@ rolling pools (and, with the random sampler, the dictionaries) are ring buffers 
 of every step in order, so their dataset indices after step s are fixed by that sequence alone,
 whatever the world sizes on the way: any lost, repeated or reordered step shows there."""
 
+import contextlib
 import csv
 import json
 import os
@@ -25,6 +26,7 @@ import torch
 
 import train
 from cmacc import checkpoint as ckpt
+from cmacc import distributed as du
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -122,6 +124,12 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _newest(out: Path) -> tuple[int, int]:
     """(step, world size) of the newest valid checkpoint in ``out``; (0, 0) if none."""
     try:
@@ -147,11 +155,12 @@ def _wait_for(what, test, procs, timeout):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find a node's worker")
 def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
-    """Two torchrun agents (--nnodes=1:2, one worker each). After a checkpoint at world size
-    2, node B (agent and worker) is SIGKILLed: node A resumes from the newest checkpoint at world size 1; a new
-    agent C joins and the next attempt is at 2 again, from the step the world-1 attempt saved
-    on its way out. The run ends at its step with each metrics row once, and the pools hold
-    the clips of every step in the law's order (nothing lost, repeated or reordered)."""
+    """Two torchrun agents (--nnodes=1:2, one worker each). After a checkpoint at world
+    size 2, node B (agent and worker) is SIGKILLed: node A resumes from the newest checkpoint
+    at world size 1; a new agent C joins and the next attempt is at 2 again, from the step the
+    world-1 attempt saved on its way out (SIGTERM). The run ends at its step with each metrics
+    row once, and the pools hold the clips of every step in the law's order (nothing lost,
+    repeated or reordered)."""
     out, steps, port = tmp_path / "run", 40, _free_port()
     agent = RUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lost-node",
@@ -164,8 +173,9 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
 
     def node(name):
         logs[name] = tmp_path / f"{name}.log"
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[name].open("w"),
-                                      stderr=subprocess.STDOUT, start_new_session=True))
+        with logs[name].open("w") as f:  # (the agent keeps its own copy of the descriptor)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
         names[procs[-1]] = name
         return procs[-1]
 
@@ -177,8 +187,7 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
         _wait_for("A's rendezvous store", lambda: _listening(port), procs, 60)
         b = node("B")
         _wait_for("a checkpoint at world size 2", lambda: _newest(out)[1] == 2, procs, 90)
-        for pid in [b.pid] + _children(b.pid):  # the whole node: its agent and its worker
-            os.kill(pid, signal.SIGKILL)
+        _kill([b.pid] + _children(b.pid))  # the whole node: its agent and its worker
         b.wait(10)
         procs.remove(b)
         # (once A's worker has failed: it may still have been writing a checkpoint)
@@ -191,8 +200,7 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
     finally:
         for p in procs:
             if p.poll() is None:
-                for pid in _children(p.pid) + [p.pid]:
-                    os.kill(pid, signal.SIGKILL)
+                _kill(_children(p.pid) + [p.pid])
     text = "\n".join(logs[n].read_text() for n in ("A", "C"))
     resumed = [int(line.rsplit("at step ", 1)[1]) for line in text.splitlines()
                if "INFO resumed run" in line]
@@ -200,10 +208,23 @@ def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
                if line.startswith("interrupted; stopped by SIGTERM")]
     assert resumed == [newest] + stopped and len(stopped) == 1, text[-3000:]  # no step lost
     assert text.count("world size 2 -> 1") == 1 and text.count("world size 1 -> 2") == 1
+    assert "share the agents' rendezvous store" not in text  # (each attempt's own store)
     final = ckpt.load(out / f"ckpt_{steps:08d}.pt")
     assert final["world_size"] == 2
     assert_queues_follow_the_law(final, dictionaries=False)  # (active picks depend on keys)
     assert metric_steps(out) == list(range(5, steps + 1, 5))
+
+
+def test_several_nodes_on_the_agents_shared_store_are_warned(monkeypatch):
+    """The one-node default needs nothing; several nodes on the agents' shared store (which
+    cannot re-form after a lost or a joining node, above) get the line naming the setting."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert du.shared_store_warning() is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in du.shared_store_warning()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that setting gives
+    assert du.shared_store_warning() is None
 
 
 @pytest.fixture
