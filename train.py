@@ -13,11 +13,14 @@ Ablations are flags (paper Tables 1-3):
 One GPU / one node with 8 GPUs / several nodes (same flags on every node):
     python train.py --preset paper --data DATA/manifest.csv --device cuda --out runs/x
     torchrun --nproc_per_node=8 train.py --preset paper --data DATA/manifest.csv --device cuda
-    torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
-        --rdzv_id=cmacc train.py --preset paper --data DATA/manifest.csv --device cuda
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2:4 --nproc_per_node=8 \\
+        --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --rdzv_id=cmacc --max-restarts 3 \\
+        train.py --preset paper --data DATA/manifest.csv --device cuda
 
 --batch-size is the GLOBAL mini-batch M (split over all ranks); --resume auto continues from
-the newest valid checkpoint in --out. Metrics go to OUT/metrics.csv (plot: OUT/metrics.png).
+the newest valid checkpoint in --out, also on another number of ranks that divides M (a lost
+node, a bigger allocation: docs/RELIABILITY.md). Metrics go to OUT/metrics.csv (plot:
+OUT/metrics.png).
 Every flag sets one field of the typed config (cmacc/config.py); the loop is cmacc.trainer.
 """
 

@@ -165,3 +165,34 @@ class Checkpoints:
     def _record(self):
         atomic_write_text(self.out / RUN_FILE, json.dumps(
             {"run_id": self.run_id, "checkpoints": self.mine}, indent=2))
+
+
+# ----------------------------------------------------------------------------------------------
+# An agreed stop, for torchrun's restarts of the same job
+# ----------------------------------------------------------------------------------------------
+STOP_FILE = "stopped.json"
+
+
+def write_stop(out_dir, line: str, code: int, job: str, step: int) -> None:
+    """OUT/stopped.json: the one line (and exit code) with which every rank of torchrun job
+    ``job`` (TORCHELASTIC_RUN_ID) stopped at ``step``."""
+    atomic_write_text(Path(out_dir) / STOP_FILE, json.dumps(
+        {"job": job, "line": line, "code": int(code), "step": int(step)}, indent=2))
+
+
+def read_stop(out_dir, job: str) -> dict | None:
+    """The agreed stop recorded for torchrun job ``job``, or None (none, another job's, or a
+    file that does not read as one: a restart then trains as it would without it)."""
+    p = Path(out_dir) / STOP_FILE
+    try:
+        stop = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stop, dict) or stop.get("job") != job or not isinstance(stop.get("line"), str):
+        return None
+    return dict(stop, code=2 if stop.get("code") != 1 else 1)
+
+
+def clear_stop(out_dir) -> None:
+    """A new job (the first attempt of a torchrun command) starts without the old record."""
+    (Path(out_dir) / STOP_FILE).unlink(missing_ok=True)

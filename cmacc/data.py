@@ -22,10 +22,18 @@ def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
 
 
 def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,
-                 views: int = 1, device="cpu", out=None):
+                 views: int = 1, device="cpu", out=None, stop_past_limit: bool = True):
     """Shuffled epochs of this rank's share of each global batch of ``batch_size`` clips
     (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset.
-    Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv."""
+    Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv; past
+    --max-bad-clips the loader raises, or with ``stop_past_limit=False`` leaves the stop to the
+    caller (the trainer agrees on ``loader.bad.count`` over ranks and stops every rank).
+
+    The data order does not depend on ``world`` (both loaders): epoch e is one permutation of
+    the dataset drawn from (seed, e), global batch b is its clips [b M, (b + 1) M), and rank r
+    takes slice r of it. So the clips of step s, gathered over the ranks, are the same at any
+    world size, and a run resumed on another number of ranks continues the same sequence from
+    its global position (epoch, batch in the epoch)."""
     if batch_size % world:
         raise ValueError(f"batch_size {batch_size} (global M) does not divide over {world} ranks; "
                          f"use a multiple of {world}")
@@ -39,7 +47,7 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   prefetch=dcfg.prefetch,
                                   bad_clips_csv=out and Path(out) / "bad_clips.csv",
                                   max_bad_clips=None if dcfg.max_bad_clips < 0
-                                  else dcfg.max_bad_clips)
+                                  else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 
 
 class SyntheticSplits:

@@ -33,15 +33,51 @@ def restart_count() -> int:
         return 0
 
 
+def elastic_run_id() -> str:
+    """torchrun's job id (``--rdzv-id``; a fresh one per ``--standalone`` command), "" outside
+    torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def restarts_allowed() -> bool:
+    """Whether torchrun would start this job's workers again after a failure (--max-restarts
+    > 0)."""
+    try:
+        return bool(elastic_run_id()) and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+    except ValueError:
+        return False
+
+
 def init_process_group(backend: str) -> None:
     """The default group from torchrun's environment, its store keys under this attempt's own
-    prefix. torchrun's agent keeps serving one store across worker restarts, so the workers of
+    prefix when the store is the agent's. torchrun's agent may keep serving one store across
+    worker restarts (TORCHELASTIC_USE_AGENT_STORE, the default of one node), so the workers of
     attempt n + 1 would read attempt n's keys under the same names (gloo: the dead workers'
     addresses, "connectFullMesh ... Connection refused") and never form a group; a prefix per
-    attempt makes each attempt's rendezvous its own."""
+    attempt makes each attempt's rendezvous its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (what several nodes need: ``shared_store_warning``) rank 0 of each attempt serves a new
+    store on a new port: nothing stale to avoid, and no prefix, since the agents of several
+    nodes count their restarts differently (a membership change is not counted)."""
     store, rank_, world = next(dist.rendezvous("env://"))
-    store = dist.PrefixStore(f"cmacc/attempt_{restart_count()}", store)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.PrefixStore(f"cmacc/attempt_{restart_count()}", store)
     dist.init_process_group(backend, store=store, rank=rank_, world_size=world)
+
+
+def shared_store_warning() -> str | None:
+    """Why several torchrun nodes sharing the agents' store cannot re-form after a lost or a
+    joining node, and the fix; None where that is not the case. (torch 2.14: a node that joins
+    a later round waits forever for the bootstrap address the leader published only in its
+    first round; and the per-attempt prefix above differs between agents.)"""
+    try:
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE") or 1)
+    except ValueError:
+        return None
+    if nodes > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (f"{nodes} torchrun nodes share the agents' rendezvous store: a lost node or one "
+                "that joins will leave the job waiting instead of re-forming it; start torchrun "
+                "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment on every node")
+    return None
 
 
 def wrap_ddp(model: torch.nn.Module) -> torch.nn.Module:

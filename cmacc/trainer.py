@@ -12,6 +12,19 @@ checkpoint every ``ckpt_every`` steps, at the end and on SIGTERM/SIGINT. Resumin
 weights, optimiser, scaler, RNG, dictionaries, pools and the position in the epoch, so N + N
 steps equal 2N steps bit for bit.
 
+Another world size resumes too (a lost node, a bigger allocation; ``_resume_or_init``): what
+is global continues — the global batch M, the clip sequence from its global position (the
+data order does not depend on the world size: cmacc/data.py), dictionaries, pools, optimiser,
+RNG — and what depends on the world size is re-derived: M / world clips per rank, shuffle-BN
+over groups of that size, each global batch split world ways. The log says so in one line.
+Only an M that does not divide over the new ranks is refused (``_setup``).
+
+A run-ending condition is agreed by every rank (the per-step all-reduce: a non-finite step,
+more damaged clips than --max-bad-clips on any rank), so every rank stops after the same step
+with the same line; under torchrun the line is kept in OUT/stopped.json, and a restarted
+attempt of the same job repeats it at once instead of redoing the work into the same failure
+(``_repeat_an_agreed_stop``).
+
 Under torchrun (WORLD_SIZE > 1) ``run`` creates the process group and always destroys it;
 signal handlers are installed for the run only and the previous ones restored.
 """
@@ -131,6 +144,7 @@ class Trainer:
         self.signalled = False  # set by SIGTERM/SIGINT on this rank
         self.signum = signal.SIGINT  # the signal received (the stop of every rank is agreed)
         self.stop_requested = False  # agreed by all ranks after every step
+        self.too_many_bad = None  # the line of an agreed stop past --max-bad-clips
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
 
     # -- public -------------------------------------------------------------------------------
@@ -138,14 +152,19 @@ class Trainer:
         """Train to ``cfg.run.steps`` (resuming per ``cfg.run.resume``); returns the summary
         (rank 0; {} on other ranks). Stopped by SIGTERM/SIGINT: saves, then raises
         ``Interrupted`` (a cut-short run never returns a summary as if it had finished)."""
+        self._repeat_an_agreed_stop()
         with self._process_group(), self._stop_on_signals():
             self._setup()
             try:
                 self._resume_or_init()
-                while self.step < self.cfg.run.steps and not self.stop_requested:
-                    self._train_epoch()
-                if self.saved_step != self.step:  # (an interval save may have just written it)
-                    self.save("stop signal" if self.stop_requested else "end")
+                try:
+                    while self.step < self.cfg.run.steps and not self.stop_requested:
+                        self._train_epoch()
+                    if self.saved_step != self.step:  # (an interval save may have just written it)
+                        self.save("stop signal" if self.stop_requested else "end")
+                except (NonFiniteLoss, UsageError) as e:  # ends the run on every rank
+                    self._record_agreed_stop(e)
+                    raise
             finally:
                 if self.bar is not None:
                     self.bar.close()
@@ -189,6 +208,35 @@ class Trainer:
         if error is not None:
             raise self._write_error(f"the checkpoint of step {self.step}", error) from None
 
+    # -- agreed stops under torchrun -------------------------------------------------------------
+    def _record_agreed_stop(self, e: Exception) -> None:
+        """Rank 0 keeps the line of a run-ending error in OUT/stopped.json for the attempts that
+        torchrun would restart into the same failure (only under torchrun with --max-restarts;
+        best effort: a full disk that ended the run may refuse this file too)."""
+        if self.rank != 0 or not du.restarts_allowed():
+            return
+        code = 1 if isinstance(e, NonFiniteLoss) else 2
+        try:
+            ckpt.write_stop(self.out, str(e), code, du.elastic_run_id(), self.step)
+        except Exception as w:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not write %s (%s): a restarted attempt will redo the steps since "
+                        "the last checkpoint", self.out / ckpt.STOP_FILE, w)
+
+    def _repeat_an_agreed_stop(self) -> None:
+        """A torchrun restart of a job whose ranks agreed to stop: the same line and exit code at
+        once, before any process group or work. (The first attempt of a job — a new command,
+        after the fix — removes the record instead: ``_prepare_out``.)"""
+        if not du.elastic_run_id() or du.restart_count() == 0:
+            return
+        stop = ckpt.read_stop(self.out, du.elastic_run_id())
+        if stop is None:
+            return
+        log.info("torchrun restart %d: this job's ranks agreed to stop at step %s; not "
+                 "training again into the same failure", du.restart_count(), stop["step"])
+        if stop["code"] == 1:
+            raise NonFiniteLoss(stop["line"])
+        raise UsageError(stop["line"])
+
     def _write_error(self, what: str, e: BaseException) -> UsageError:
         """One line for a write that failed (full disk, vanished folder: any exception type)."""
         return UsageError(f"cannot write {what} in {self.out} ({write_failure(e, self.out)}); "
@@ -208,6 +256,9 @@ class Trainer:
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             du.init_process_group("nccl" if run.device == "cuda" else "gloo")
             created = True
+            warning = du.shared_store_warning()
+            if warning and du.rank() == 0:
+                log.warning(warning)
         try:
             yield
         finally:
@@ -238,9 +289,12 @@ class Trainer:
     def _setup(self):
         cfg = self.cfg
         self.rank, self.world = du.rank(), du.world_size()
-        if cfg.model.batch_size % self.world:
-            raise UsageError(f"--batch-size {cfg.model.batch_size} (global M) does not divide over "
-                             f"{self.world} ranks; use a multiple of {self.world}")
+        m = cfg.model.batch_size
+        if m % self.world:  # the one world size a run cannot continue at
+            fits = [w for w in range(1, m + 1) if m % w == 0]
+            raise UsageError(f"--batch-size {m} (global M) does not divide over {self.world} "
+                             f"ranks; use a multiple of {self.world} for a new run, or run this "
+                             f"one on a number of ranks that divides {m} ({', '.join(map(str, fits))})")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
@@ -251,7 +305,8 @@ class Trainer:
         try:
             self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
                                        seed=cfg.model.seed, rank=self.rank, world=self.world,
-                                       views=views, device=self.device, out=self.out)
+                                       views=views, device=self.device, out=self.out,
+                                       stop_past_limit=False)  # agreed: _nonfinite
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
@@ -276,8 +331,11 @@ class Trainer:
         self.last_enq, self.t0, self.waited = None, time.perf_counter(), 0.0
 
     def _prepare_out(self):
-        """OUT exists, is a writable folder, and holds no half-written file of a killed run."""
+        """OUT exists, is a writable folder, and holds no half-written file of a killed run (nor
+        the agreed stop of an earlier torchrun job: this is a new command)."""
         out = output_folder(self.out, "--out")
+        if self.rank == 0 and du.restart_count() == 0:
+            ckpt.clear_stop(out)
         if self.rank == 0:
             n = sweep_temporaries(out)
             if n:
@@ -316,11 +374,6 @@ class Trainer:
             if state.get("config_hash") != self.chash:
                 raise UsageError(f"checkpoint {path} was made with a different model/selection "
                                  "config; use another --out, or the flags of that run")
-            if int(state.get("world_size", self.world)) != self.world:
-                raise UsageError(
-                    f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                    f"{self.world}: resume with the same number of ranks (shuffle-BN statistics and "
-                    "the per-rank batch depend on it), or start a new run in another --out")
             self.run_id = state.get("run_id") or ckpt.new_run_id()
             return found
         theirs = sorted(p.name for p in out.glob("ckpt_*.pt"))
@@ -354,6 +407,7 @@ class Trainer:
             purge = self._drop_rows_after(self.step)
             self.saved_step = self.step
             log.info("resumed run %s from %s at step %d", self.run_id, path, self.step)
+            self._log_world_change(int(state.get("world_size", self.world)))
         else:
             if cfg.model.objective == "cross":
                 init_dictionaries(model, self.loader, cfg.run.dict_init, self.device)
@@ -375,6 +429,17 @@ class Trainer:
             self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
                             dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.t0, self.waited = time.perf_counter(), 0.0
+
+    def _log_world_change(self, was: int) -> None:
+        """One line: what a resume on another number of ranks re-derived, and what continues."""
+        if was == self.world:
+            return
+        m = self.cfg.model.batch_size
+        log.info("world size %d -> %d: %d clips per rank (was %d), shuffle-BN over groups of %d "
+                 "(was %d), each global batch split %d ways (was %d); the global batch M=%d, the "
+                 "clip sequence from epoch %d batch %d, dictionaries, pools and optimiser continue",
+                 was, self.world, m // self.world, m // was, m // self.world, m // was,
+                 self.world, was, m, self.epoch, self.batch_in_epoch)
 
     def _drop_rows_after(self, step: int) -> int:
         """metrics.csv keeps the rows an uninterrupted run has at ``step``: those up to it on
@@ -409,6 +474,10 @@ class Trainer:
                     self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
                 except MetricsWriteError as e:  # rank 0 only: torchrun then ends the others
                     raise self._write_error(e.what, e.__cause__) from None
+            if self.too_many_bad:  # agreed by every rank: this step is kept, then all stop
+                if self.saved_step != self.step:
+                    self.save("too many damaged clips")
+                raise UsageError(self.too_many_bad)
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()
@@ -462,7 +531,9 @@ class Trainer:
         """What is NaN/Inf after this step's backward — the loss, the gradients (fp16: the
         GradScaler already skips those), the dictionaries — and whether any rank was signalled,
         agreed by all ranks in one small all-reduce (one host sync per step): a poisoned update
-        is never applied or saved, and every rank stops after the same step."""
+        is never applied or saved, and every rank stops after the same step. The same
+        all-reduce carries the most damaged clips any rank has met (past --max-bad-clips every
+        rank stops after this step: ``_train_epoch``)."""
         model = self.model
         checks = {"loss": torch.isfinite(loss.detach()).all(),
                   "dictionaries": torch.isfinite(model.dict_v.keys).all()
@@ -470,12 +541,17 @@ class Trainer:
         grads = [p.grad for p in model.query_parameters() if p.grad is not None]
         if grads and not self.scaler.is_enabled():
             checks["gradients"] = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
+        damaged = getattr(self.loader, "bad", None)  # damaged clips met by this rank so far
         flags = torch.cat([(~torch.stack(list(checks.values()))).float(),
-                           torch.tensor([float(self.signalled)], device=loss.device)])
+                           torch.tensor([float(self.signalled),
+                                         float(damaged.count if damaged is not None else 0)],
+                                        device=loss.device)])
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        *bad, stop = flags.tolist()
+        *bad, stop, most_damaged = flags.tolist()
         self.stop_requested = self.stop_requested or bool(stop)
+        if damaged is not None and most_damaged > damaged.limit:  # every rank, the same step
+            self.too_many_bad = damaged.limit_message(int(most_damaged))
         return [name for name, b in zip(checks, bad) if b]
 
     def _handle_nonfinite(self, what: list[str]) -> None:

@@ -110,10 +110,13 @@ class BadClips:
 
     def __init__(self, manifest: Manifest, index: list[int], *, seed: int = 0,
                  limit: int | None = None, csv_path=None, need_video=True, need_audio=True,
-                 action: str = "skipped and replaced"):
+                 action: str = "skipped and replaced", stop_past_limit: bool = True):
         self.m, self.index, self.seed = manifest, list(index), int(seed)
         self.action = action  # what happens to a damaged clip, as the log line says it
         self.limit = default_limit(len(manifest)) if limit is None else int(limit)
+        # False: past the limit, clips are still replaced and the caller stops (the trainer
+        # agrees on the count over ranks, so that every rank stops after the same step)
+        self.stop_past_limit = stop_past_limit
         self.csv_path = Path(csv_path) if csv_path else None
         self.need_video, self.need_audio = need_video, need_audio
         self.found: dict[int, str] = {}
@@ -183,11 +186,15 @@ class BadClips:
         self.check_limit()
 
     def check_limit(self) -> None:
-        """TooManyBadClips if more than ``limit`` damaged clips were met."""
-        if self.count > self.limit:
-            where = f" (listed in {self.csv_path})" if self.csv_path else ""
-            raise TooManyBadClips(
-                f"{self.m.file}: {self.count} damaged clips, more than --max-bad-clips "
+        """TooManyBadClips if more than ``limit`` damaged clips were met (and
+        ``stop_past_limit``)."""
+        if self.stop_past_limit and self.count > self.limit:
+            raise TooManyBadClips(self.limit_message(self.count))
+
+    def limit_message(self, count: int) -> str:
+        """The one line of a stop past the limit, for ``count`` damaged clips."""
+        where = f" (listed in {self.csv_path})" if self.csv_path else ""
+        return (f"{self.m.file}: {count} damaged clips, more than --max-bad-clips "
                 f"{self.limit}{where}; re-run `python -m data_dali.prepare` on their sources, or "
                 "raise --max-bad-clips")
 

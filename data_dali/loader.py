@@ -105,7 +105,7 @@ class Loader:
 
     def __init__(self, manifest: Manifest, index: list[int], cfg: LoaderConfig, *, device="cpu",
                  train=True, need_video=True, need_audio=True, bad_clips_csv=None,
-                 max_bad_clips=None):
+                 max_bad_clips=None, stop_past_limit=True):
         if not index:
             raise ValueError(f"{manifest.file}: no usable clips for this loader (need video="
                              f"{need_video}, audio={need_audio}); check the manifest and rejects.csv")
@@ -125,7 +125,8 @@ class Loader:
         self.audio_frames = mel_frames(cfg.clip_frames, cfg.fps)
         # damaged clips: skipped, replaced, named in bad_clips_csv (data_dali/damaged.py)
         self.bad = BadClips(manifest, index, seed=cfg.seed, limit=max_bad_clips,
-                            csv_path=bad_clips_csv, need_video=need_video, need_audio=need_audio)
+                            csv_path=bad_clips_csv, need_video=need_video, need_audio=need_audio,
+                            stop_past_limit=stop_past_limit)
         self.backend = self._pick_backend(cfg.backend)
         self._dali_checked = self.backend != "dali" or cfg.backend == "dali"
 
@@ -280,7 +281,7 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                  shard_id=0, num_shards=1, seed=0, device="cpu", backend="auto", views=1,
                  num_workers=2, drop_last=True, dtype=torch.float32, train=True,
                  need_video=True, need_audio=True, prefetch=2, bad_clips_csv=None,
-                 max_bad_clips=None) -> Loader:
+                 max_bad_clips=None, stop_past_limit=True) -> Loader:
     """Pretraining (need_video and need_audio: clips without audio are skipped, and counted in
     the log) or downstream (need_audio=False: video-only; need_video=False: audio-only) loader
     over a prepared manifest. ``fps`` must be the rate the clips were prepared at (checked).
@@ -290,7 +291,8 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
     DataLoader's batches in flight over all workers); memory grows with it, not with the
     epoch length. A damaged clip is skipped and replaced, named once in ``bad_clips_csv`` and
     the log; more than ``max_bad_clips`` (default: 1% of the clips, at least 10) raise
-    TooManyBadClips (data_dali/damaged.py)."""
+    TooManyBadClips (data_dali/damaged.py), or with ``stop_past_limit=False`` leave the stop
+    to the caller (``loader.bad.count``: the trainer agrees on it over ranks)."""
     cfg = LoaderConfig(batch_size=batch_size, clip_frames=clip_frames, crop=crop, fps=fps,
                        shard_id=shard_id, num_shards=num_shards, seed=seed, views=views,
                        num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend,
@@ -310,7 +312,8 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                  "skipped", m.file, skipped, len(m), need_video, need_audio,
                  f", split={split}" if split is not None else "")
     return Loader(m, index, cfg, device=device, train=train, need_video=need_video,
-                  need_audio=need_audio, bad_clips_csv=bad_clips_csv, max_bad_clips=max_bad_clips)
+                  need_audio=need_audio, bad_clips_csv=bad_clips_csv, max_bad_clips=max_bad_clips,
+                  stop_past_limit=stop_past_limit)
 
 
 HELD_OUT = 4  # the default split tests 1 in HELD_OUT clips of each class

@@ -167,7 +167,8 @@ class ToyAV:
 
 class ToyLoader:
     """Epochs of shuffled batches from ToyAV; sharded by rank (each rank gets its slice of
-    every global batch, so the gathered global batch is the same as in one process)."""
+    every global batch, so the gathered global batch is the same as in one process, at any
+    world size: the second views are drawn for the whole global batch, then sliced)."""
 
     def __init__(self, data: ToyAV, batch_size: int, *, seed=0, rank=0, world=1, views=1):
         if batch_size % world:
@@ -190,10 +191,14 @@ class ToyLoader:
         g = torch.Generator().manual_seed(self.seed * 7919 + self.epoch)
         perm = torch.randperm(len(self.data), generator=g)
         per = self.batch_size // self.world
+        mine = slice(self.rank * per, (self.rank + 1) * per)
         for b in range(len(self)):
             idx = perm[b * self.batch_size:(b + 1) * self.batch_size]
-            batch = self.data.batch(idx[self.rank * per:(self.rank + 1) * per], g, self.views)
-            if b >= self.start:  # (earlier batches still advance g: the views' draws)
+            if self.views == 1:
+                batch = self.data.batch(idx[mine])
+            else:  # (earlier batches still advance g: the views' draws)
+                batch = {k: v[mine] for k, v in self.data.batch(idx, g, self.views).items()}
+            if b >= self.start:
                 yield batch
 
 

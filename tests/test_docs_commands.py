@@ -97,6 +97,12 @@ PLAN = [  # (regex matched against the command from its start, Run or Skip); fir
                                              "2 steps, 24 clips")),
     (r"python train\.py .*--device cuda", Skip(GPU + " (and a prepared dataset)")),
     (r"torchrun .*--device cuda", Skip("needs several GPUs (and a prepared dataset)")),
+    (r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ", Skip(
+        "several nodes and their GPUs; tests/test_elastic.py runs two agents on the loopback")),
+    (r"export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1$", Skip("sets the shell's environment for "
+                                                         "the torchrun command that follows")),
+    (r"torchrun --nnodes=1:2 ", Skip("two agents at once, one per shell, and a node killed "
+                                     "by hand; tests/test_elastic.py runs them")),
     (r"python -m cmacc\.apps\.plot ", Run()),
     (r"python -m cmacc\.apps\.eval .*--protocol finetune", Run(("--epochs", "1", "--clips", "1"),
                                                               "1 epoch, 1 test clip a video")),

@@ -5,6 +5,7 @@ after a resume; bad command lines end in one line on stderr, exit 2, no tracebac
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,15 +79,26 @@ def test_resume_auto_names_the_skipped_checkpoints(tmp_path, capsys):
     assert "ckpt_00000003.pt (step 3)" in log and "resumed run" in log
 
 
-def test_resume_with_another_world_size_is_refused(tmp_path, capsys):
-    out = tmp_path / "run"
+def test_a_checkpoint_of_another_world_size_resumes_and_says_what_changed(tmp_path, capsys):
+    """A checkpoint written by 8 ranks resumes in one process (nothing in it depends on the
+    world size): one log line names what was re-derived, and the run ends equal to the same
+    resume of the same checkpoint marked as written by one rank."""
+    out, same = tmp_path / "run", tmp_path / "same"
     train.main(TINY + ["--steps", "2", "--out", str(out)])
-    path = out / "ckpt_00000002.pt"
-    state = ckpt.load(path)
+    shutil.copytree(out, same)
+    state = ckpt.load(out / "ckpt_00000002.pt")
     state["world_size"] = 8
-    torch.save(state, path)
-    err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
-    assert "written by 8 ranks" in err and "same number of ranks" in err
+    torch.save(state, out / "ckpt_00000002.pt")
+    capsys.readouterr()
+    train.main(TINY + ["--steps", "4", "--out", str(out)])
+    log = capsys.readouterr().err
+    changed = [line for line in log.splitlines() if "world size" in line]
+    assert len(changed) == 1 and "world size 8 -> 1: 16 clips per rank (was 2)" in changed[0], log
+    train.main(TINY + ["--steps", "4", "--out", str(same)])
+    assert "world size" not in capsys.readouterr().err
+    a, b = ckpt.load(out / "ckpt_00000004.pt"), ckpt.load(same / "ckpt_00000004.pt")
+    torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)
+    torch.testing.assert_close(a["optimizer"], b["optimizer"], rtol=0, atol=0)
 
 
 # -- non-finite losses: stop before any save, or skip -----------------------------------------
@@ -129,6 +141,41 @@ def test_nan_steps_can_be_skipped_and_counted(tmp_path, nan_at_step):
     assert state["nonfinite"] == 1
     assert all(torch.isfinite(v).all() for v in state["model"].values()
                if torch.is_tensor(v) and v.is_floating_point())
+
+
+def test_a_restart_after_an_agreed_nan_stop_repeats_the_line_at_once(tmp_path, nan_at_step,
+                                                                     monkeypatch, capsys):
+    """As torchrun sees it (its environment set by hand, one rank): the NaN stop is recorded in
+    OUT/stopped.json; a restarted attempt of the same job ends at once with the same line and
+    exit code, before any work (no resume, no checkpoint touched); another job's restart does
+    not read it, and a new job's first attempt removes it."""
+    out = tmp_path / "run"
+    argv = TINY + ["--steps", "6", "--ckpt-every", "1", "--out", str(out)]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    healthy = CMACC.forward
+    nan_at_step(2)
+    with pytest.raises(SystemExit) as first:
+        train.main(argv)
+    stop = json.loads((out / ckpt.STOP_FILE).read_text())
+    assert stop["line"] in str(first.value.code) and stop["code"] == 1 and stop["step"] == 2
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("ckpt_*.pt")}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as again:
+        train.main(argv)
+    assert again.value.code == first.value.code  # the same line, exit 1 (sys.exit of a str)
+    err = capsys.readouterr().err
+    assert "not training again into the same failure" in err and "resumed run" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in out.glob("ckpt_*.pt")} == before
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job2")  # another job's restart trains
+    monkeypatch.setattr(CMACC, "forward", healthy)
+    train.main(argv)
+    assert "resumed run" in capsys.readouterr().err and (out / ckpt.STOP_FILE).exists()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new job: the record goes
+    train.main(argv)
+    assert not (out / ckpt.STOP_FILE).exists()
 
 
 # -- resume continuity: metrics, TensorBoard and summary as if never interrupted --------------

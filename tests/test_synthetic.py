@@ -117,10 +117,13 @@ def test_same_seed_same_clips_and_epochs_other_seed_other_clips():
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
     la.set_epoch(1)
     assert not torch.equal(next(iter(la))["index"], next(iter(lb))["index"])
-    # the global batch is the same whatever the number of ranks
-    whole = [x["index"] for x in synthetic.ToyLoader(a, 4, seed=2)]
-    parts = zip(*[synthetic.ToyLoader(a, 4, seed=2, rank=k, world=2) for k in (0, 1)])
-    assert all(torch.equal(torch.cat([p["index"] for p in ps]), w) for ps, w in zip(parts, whole))
+    # the global batch, second views included, is the same whatever the number of ranks
+    whole = list(synthetic.ToyLoader(a, 4, seed=2, views=2))
+    for world in (2, 4):
+        parts = zip(*[synthetic.ToyLoader(a, 4, seed=2, rank=k, world=world, views=2)
+                      for k in range(world)])
+        for ps, w in zip(parts, whole):
+            assert all(torch.equal(torch.cat([p[k] for p in ps]), w[k]) for k in w), world
 
 
 def test_files_and_memory_draw_the_same_class_grating(tmp_path):

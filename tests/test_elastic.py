@@ -1,0 +1,266 @@
+"""Beyond one node, on the loopback: a run resumed at another world size (1 -> 2 -> 1 by hand),
+a whole node lost under elastic membership (two torchrun agents, c10d rendezvous, gloo) that
+continues at 1 and grows back to 2, and a stop agreed by every rank that torchrun does not
+restart into the same failure.
+
+The reference is the sampler's law (cmacc/data.py), recomputed here: epoch e is
+``randperm(clips)`` seeded ``seed * 7919 + e``, global batch b its clips [b M, (b + 1) M). The
+rolling pools (and, with the random sampler, the dictionaries) are ring buffers of the clips
+of every step in order, so their dataset indices after step s are fixed by that sequence alone,
+whatever the world sizes on the way: any lost, repeated or reordered step shows there."""
+
+import contextlib
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from cmacc import checkpoint as ckpt
+from cmacc import distributed as du
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [sys.executable, "-m", "torch.distributed.run"]
+SEED, CLIPS, M, K, N = 3, 96, 16, 64, 192  # tiny preset: M=16, K=64, N=192; 6 batches an epoch
+TINY = ["train.py", "--preset", "tiny", "--clips", str(CLIPS), "--classes", "6", "--seed",
+        str(SEED)]
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd, timeout=120):
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{cmd}\nstderr:\n{p.stderr[-3000:]}"
+    return p.stderr
+
+
+def law_sequence(steps: int) -> list[int]:
+    """The dataset indices of the global batches of steps 0 .. steps-1, in order."""
+    seq, per_epoch = [], CLIPS // M
+    for s in range(steps):
+        e, b = divmod(s, per_epoch)
+        perm = torch.randperm(CLIPS, generator=torch.Generator().manual_seed(SEED * 7919 + e))
+        seq += perm[b * M:(b + 1) * M].tolist()
+    return seq
+
+
+def ring(seq: list[int], size: int, empty: int = -1) -> list[int]:
+    """A ring buffer of ``size`` slots after writing ``seq`` in order from slot 0."""
+    slots = [empty] * size
+    for t, i in enumerate(seq):
+        slots[t % size] = i
+    return slots
+
+
+def assert_queues_follow_the_law(state: dict, dictionaries: bool) -> None:
+    step, model = state["step"], state["model"]
+    seq = law_sequence(step)
+    per_epoch = CLIPS // M  # (an epoch's last step is saved as its batch per_epoch)
+    assert state["epoch"] * per_epoch + state["batch_in_epoch"] == step, step
+    assert 0 <= state["batch_in_epoch"] <= per_epoch
+    for x in ("v", "a"):
+        assert model[f"pool_{x}.index"].tolist() == ring(seq, N), (x, step)
+        if dictionaries:  # (step * M >= K: the initial keys are all overwritten)
+            assert model[f"dict_{x}.index"].tolist() == ring(seq, K), (x, step)
+            assert int(model[f"dict_{x}.ptr"]) == len(seq) % K
+
+
+def metric_steps(out: Path) -> list[int]:
+    with open(out / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f)]
+
+
+def test_resume_1_to_2_to_1_continues_the_global_sequence(tmp_path, capsys):
+    """One process to step 4, 2 ranks (torchrun) to step 9 (across an epoch end), one process
+    to step 14: the dictionaries and pools hold exactly the clips the law gives (those of a run
+    that never changed size), the optimiser's step count continues, each metrics row once, and
+    each change is one log line."""
+    out = tmp_path / "run"
+    args = TINY[1:] + ["--sampler", "random", "--log-every", "2", "--out", str(out), "--steps"]
+    train.main(args + ["4"])
+    two = _run(RUN + ["--standalone", "--nproc_per_node=2", "train.py"] + args + ["9"])
+    capsys.readouterr()
+    train.main(args + ["14"])
+    one = capsys.readouterr().err
+    for step, world in ((4, 1), (9, 2), (14, 1)):
+        state = ckpt.load(out / f"ckpt_{step:08d}.pt")
+        assert state["world_size"] == world
+        assert_queues_follow_the_law(state, dictionaries=True)
+        assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {step}
+    for log, change in ((two, "world size 1 -> 2: 8 clips per rank (was 16)"),
+                        (one, "world size 2 -> 1: 16 clips per rank (was 8)")):
+        assert [line.split("INFO ")[1][:len(change)] for line in log.splitlines()
+                if "world size" in line] == [change], log[-2000:]
+    assert metric_steps(out) == list(range(2, 15, 2))
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return kids
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _newest(out: Path) -> tuple[int, int]:
+    """(step, world size) of the newest valid checkpoint in ``out``; (0, 0) if none."""
+    try:
+        found = ckpt.find_latest_valid(out)
+    except OSError:  # a checkpoint removed by retention while it was listed
+        return 0, 0
+    return (found[1]["step"], found[1]["world_size"]) if found else (0, 0)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_for(what, test, procs, timeout):
+    """Poll ``test`` until it holds; fail at ``timeout`` s or when one of ``procs`` ended."""
+    deadline = time.time() + timeout
+    while not test():
+        ended = [p.returncode for p in procs if p.poll() is not None]
+        assert time.time() < deadline and not ended, f"waiting for {what}; exit codes {ended}"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find a node's worker")
+def test_a_lost_node_continues_at_one_and_grows_back_to_two(tmp_path):
+    """Two torchrun agents (--nnodes=1:2, one worker each). After a checkpoint at world
+    size 2, node B (agent and worker) is SIGKILLed: node A resumes from the newest checkpoint
+    at world size 1; a new agent C joins and the next attempt is at 2 again, from the step the
+    world-1 attempt saved on its way out (SIGTERM). The run ends at its step with each metrics
+    row once, and the pools hold the clips of every step in the law's order (nothing lost,
+    repeated or reordered)."""
+    out, steps, port = tmp_path / "run", 40, _free_port()
+    agent = RUN + ["--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lost-node",
+                   "--max-restarts=2", "--monitor-interval=0.5", "--rdzv-conf=last_call_timeout=3,"
+                   "keep_alive_interval=2,keep_alive_max_attempt=3"]
+    cmd = agent + TINY + ["--steps", str(steps), "--ckpt-every", "5", "--log-every", "5",
+                          "--out", str(out)]
+    env = _env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # what several nodes need (RELIABILITY)
+    logs, procs, names = {}, [], {}
+
+    def node(name):
+        logs[name] = tmp_path / f"{name}.log"
+        with logs[name].open("w") as f:  # (the agent keeps its own copy of the descriptor)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        names[procs[-1]] = name
+        return procs[-1]
+
+    def said(text):
+        return any(text in p.read_text() for p in logs.values())
+
+    try:
+        node("A")  # the rendezvous store's host: the node that is never lost
+        _wait_for("A's rendezvous store", lambda: _listening(port), procs, 60)
+        b = node("B")
+        _wait_for("a checkpoint at world size 2", lambda: _newest(out)[1] == 2, procs, 90)
+        _kill([b.pid] + _children(b.pid))  # the whole node: its agent and its worker
+        b.wait(10)
+        procs.remove(b)
+        # (once A's worker has failed: it may still have been writing a checkpoint)
+        _wait_for("A's worker to fail", lambda: said("failed (exitcode"), procs, 60)
+        newest = _newest(out)[0]
+        _wait_for("the world-1 attempt", lambda: said("world size 2 -> 1"), procs, 90)
+        node("C")
+        for p in procs:
+            assert p.wait(120) == 0, logs[names[p]].read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill(_children(p.pid) + [p.pid])
+    text = "\n".join(logs[n].read_text() for n in ("A", "C"))
+    resumed = [int(line.rsplit("at step ", 1)[1]) for line in text.splitlines()
+               if "INFO resumed run" in line]
+    stopped = [int(line.split("after step ")[1].split()[0]) for line in text.splitlines()
+               if line.startswith("interrupted; stopped by SIGTERM")]
+    assert resumed == [newest] + stopped and len(stopped) == 1, text[-3000:]  # no step lost
+    assert text.count("world size 2 -> 1") == 1 and text.count("world size 1 -> 2") == 1
+    assert "share the agents' rendezvous store" not in text  # (each attempt's own store)
+    final = ckpt.load(out / f"ckpt_{steps:08d}.pt")
+    assert final["world_size"] == 2
+    assert_queues_follow_the_law(final, dictionaries=False)  # (active picks depend on keys)
+    assert metric_steps(out) == list(range(5, steps + 1, 5))
+
+
+def test_several_nodes_on_the_agents_shared_store_are_warned(monkeypatch):
+    """The one-node default needs nothing; several nodes on the agents' shared store (which
+    cannot re-form after a lost or a joining node, above) get the line naming the setting."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert du.shared_store_warning() is None
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in du.shared_store_warning()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what that setting gives
+    assert du.shared_store_warning() is None
+
+
+@pytest.fixture
+def damaged_manifest(tiny_prepared, tmp_path):
+    """The 12-clip prepared set with clip 1's video cut to half its bytes."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_prepared[1], data)
+    rows = list(csv.DictReader(open(data / "manifest.csv", newline="")))
+    video = data / rows[1]["video"]
+    video.write_bytes(video.read_bytes()[:video.stat().st_size // 2])
+    return data / "manifest.csv"
+
+
+def test_an_agreed_stop_ends_every_rank_and_is_not_restarted_into(damaged_manifest, tmp_path,
+                                                                  capsys):
+    """--max-bad-clips 0 and one damaged clip, met by one rank only: both ranks stop after the
+    same step (a checkpoint of it is saved) with the same line; torchrun's restart repeats the
+    line at once instead of training again; a new command with a higher limit continues."""
+    out = tmp_path / "run"
+    args = ["train.py", "--preset", "tiny", "--batch-size", "4", "--dict-size", "8",
+            "--pool-size", "16", "--log-every", "3", "--workers", "0", "--loader", "reference",
+            "--data", str(damaged_manifest), "--steps", "6", "--out", str(out)]
+    p = subprocess.run(RUN + ["--standalone", "--nproc_per_node=2", "--max-restarts=1"] + args +
+                       ["--max-bad-clips", "0"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=150)
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 4 and len(set(lines)) == 1, p.stderr[-3000:]  # 2 ranks x 2 attempts
+    assert "1 damaged clips, more than --max-bad-clips 0" in lines[0] and "bad_clips.csv" in lines[0]
+    assert "exitcode  : 2" in p.stderr and "[rank0]" not in p.stderr and "[rank1]" not in p.stderr
+    assert p.stderr.count("not training again into the same failure") == 1
+    assert p.stderr.count("resumed run") == 0  # the restart did no work
+    stopped = json.loads((out / ckpt.STOP_FILE).read_text())
+    assert stopped["line"] == lines[0][len("error: "):] and stopped["code"] == 2
+    assert ckpt.load(out / f"ckpt_{stopped['step']:08d}.pt")["step"] == stopped["step"] < 6
+    # the fix, as a new command: the record is gone and the run continues from that step
+    train.main(args[1:] + ["--max-bad-clips", "5"])
+    log = capsys.readouterr().err
+    assert f"at step {stopped['step']}" in log and not (out / ckpt.STOP_FILE).exists()
