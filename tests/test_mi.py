@@ -474,6 +474,9 @@ def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders()
     finally:
         mp.undo()
     assert hist["pool_draws"] == [0, 8, 16] and len(draws) == 3
+    # the draws' time is recorded, a part of the run's
+    assert 0 < hist["pool_seconds"] <= hist["seconds"]
+    assert 0 < hist["pool_cpu_seconds"] <= hist["cpu_seconds"]
     assert torch.equal(model.pool_v.keys, draws[-1][0])  # the last step wrote nothing there
     assert not torch.equal(draws[0][2], draws[1][2])  # new random pairs each epoch
     # the rolling pool is never drawn

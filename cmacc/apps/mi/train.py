@@ -199,7 +199,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     (``character_diversity``, mean of the two dictionaries) per window, that diversity's mean
     over the second half of the steps, steps run, why it stopped, seconds (wall) and
     cpu_seconds (this process's CPU time: the cost on a shared host); with epoch pools
-    (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn."""
+    (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn and
+    the time their drawing took (pool_seconds, pool_cpu_seconds; part of the above)."""
     model = build_model(method, cfg, seed)
     opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
     g = torch.Generator().manual_seed(seed)
@@ -207,7 +208,9 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     perm, pos = torch.randperm(n, generator=g), 0
     epoch_pools = selects(method) and cfg.pool_mode == "epoch"
     hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "steps": 0,
-            "stop": "max_steps", **({"pool_draws": []} if epoch_pools else {})}
+            "stop": "max_steps",
+            **({"pool_draws": [], "pool_seconds": 0.0, "pool_cpu_seconds": 0.0}
+               if epoch_pools else {})}
     acc_sum = loss_sum = 0.0
     div = {k: [] for k in DIVERSITY}  # per step
     t0, c0 = time.perf_counter(), time.process_time()
@@ -215,8 +218,11 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         if pos + cfg.batch > n:  # epochs without replacement
             perm, pos = torch.randperm(n, generator=g), 0
         if epoch_pools and pos == 0:  # an epoch starts: N random pairs through the key encoders
+            t, c = time.perf_counter(), time.process_time()
             fill_epoch_pools(model, PairsLoader(train, cfg.batch), "cpu", len(hist["pool_draws"]))
             hist["pool_draws"].append(step)
+            hist["pool_seconds"] += time.perf_counter() - t
+            hist["pool_cpu_seconds"] += time.process_time() - c
         idx = perm[pos:pos + cfg.batch]
         pos += cfg.batch
         for group in opt.param_groups:
