@@ -523,8 +523,8 @@ def _study(runs: dict, **over) -> dict:
 def test_compare_pairs_two_studies_by_seed(tmp_path, capsys):
     """mi.compare: first − second per seed that both sides ran (seed 2 only on one side is
     left out, of the sides' means too), with the t-interval of those differences (numpy/scipy
-    as the reference); the
-    settings that differ are named; studies of other pairs are refused in one line."""
+    as the reference); the settings that differ are named; studies of other pairs are
+    refused in one line."""
     from scipy import stats
 
     from cmacc.apps.mi import compare
