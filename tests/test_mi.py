@@ -531,8 +531,9 @@ def _study(runs: dict, **over) -> dict:
 
 def test_compare_pairs_two_studies_by_seed(tmp_path, capsys):
     """mi.compare: first − second per seed that both sides ran (seed 2 only on one side is
-    left out), with the t-interval of those differences (numpy/scipy as the reference); the
-    settings that differ are named; studies of other pairs are refused in one line."""
+    left out, of the sides' means too), with the t-interval of those differences (numpy/scipy
+    as the reference); the settings that differ are named; studies of other pairs are
+    refused in one line."""
     from scipy import stats
 
     from cmacc.apps.mi import compare
@@ -553,7 +554,8 @@ def test_compare_pairs_two_studies_by_seed(tmp_path, capsys):
     assert c["diff"]["probe"]["half"] == pytest.approx(
         stats.t.ppf(0.975, 1) * d.std(ddof=1) / np.sqrt(2), rel=1e-3)  # metrics.t975: 4 digits
     assert c["diff"]["unique_per_m_2nd_half"]["per_seed"] == pytest.approx([0.05, 0.06])
-    assert c["a"]["steps"][0] == 60 and c["b"]["steps"][0] == 120  # every seed of each side
+    assert c["a"]["steps"][0] == 60 and c["b"]["steps"][0] == 120
+    assert c["a"]["probe"][0] == pytest.approx(0.28)  # the paired seeds only: not seed 2's 0.9
     assert c["b"]["cpu_seconds"][0] == pytest.approx(1080.0)
     assert compare.config_differences(a, b) == ["max_steps: 60 vs 120"]
     for name, r in (("a", a), ("b", b)):

@@ -39,7 +39,10 @@ training pairs at batch M) instead of the rolling pool.
 ``mi.json`` is rewritten after every run (``"complete": false`` until the last one is in):
 the same command again resumes a stopped study, training only the runs that are missing
 (other settings are an error naming what differs), and ``--report-only`` writes the report
-and plots of what is there. docs/FIDELITY.md §4 has what this shows.
+and plots of what is there. Runs that one study cannot hold (another ``--max-steps``, e.g.
+XMoCo given CM-ACC's compute) go in another ``--out``; ``python -m cmacc.apps.mi.compare
+A:CM-ACC B:XMoCo`` pairs two studies' runs by seed. docs/FIDELITY.md §4 and §7 have what this
+shows.
 
     python -m cmacc.apps.mi --omniglot ROOT --out runs/mi [--chars 1 2 3 4 6 8] [--seeds 0 1 2]
     python -m cmacc.apps.mi --out runs/mi --report-only

@@ -10,7 +10,8 @@ have drawn the same pairs (alphabets, relation, training/test/probe pair counts)
 means the same pairs order and initial encoders in both, and the differences are paired by
 seed. Printed, per l both ran: steps, wall and CPU seconds of training per run, the probe on
 both test sets and the enqueued negatives' diversity (second half of training), each side's
-mean ± 95% t-interval over seeds and the first minus the second per seed with its interval;
+mean ± 95% t-interval over the seeds both ran, and the first minus the second per seed with
+its interval;
 then the settings in which the two studies differ.
 """
 
@@ -65,14 +66,16 @@ def _runs(results, method, l) -> dict[int, dict]:
 
 
 def compare(a: dict, ma: str, b: dict, mb: str, l: int) -> dict:
-    """The figures of method ``ma`` of study ``a`` and ``mb`` of ``b`` at l: per side the
-    mean ± half-width over its seeds of steps, seconds, cpu_seconds and each of ``FIGURES``;
-    ``diff``: (a − b) per seed that both ran and recorded, with its mean and half-width."""
+    """The figures of method ``ma`` of study ``a`` and ``mb`` of ``b`` at l, over the seeds
+    both ran (``seeds``): per side the mean ± half-width of steps, seconds, cpu_seconds and
+    each of ``FIGURES``; ``diff``: (a − b) per seed that both recorded, with its mean and
+    half-width."""
     ra, rb = _runs(a, ma, l), _runs(b, mb, l)
-    out = {"l": l, "seeds": sorted(set(ra) & set(rb)), "a": {}, "b": {}, "diff": {}}
+    seeds = sorted(set(ra) & set(rb))
+    out = {"l": l, "seeds": seeds, "a": {}, "b": {}, "diff": {}}
     for side, runs in (("a", ra), ("b", rb)):
         for key in ("steps", "seconds", "cpu_seconds", *(k for k, _ in FIGURES)):
-            vals = [r[key] for r in runs.values() if key in r]
+            vals = [runs[s][key] for s in seeds if key in runs[s]]
             out[side][key] = (*mean_ci(vals), len(vals)) if vals else None
     for key, _ in FIGURES:
         d = [ra[s][key] - rb[s][key] for s in out["seeds"] if key in ra[s] and key in rb[s]]
