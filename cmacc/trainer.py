@@ -481,8 +481,8 @@ class Trainer:
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()
-        else:
-            self.epoch, self.skip = self.epoch + 1, 0
+        else:  # the epoch ran out: a save from here on (a stop, the end) names the next one
+            self.epoch, self.skip, self.batch_in_epoch = self.epoch + 1, 0, 0
 
     def _train_step(self, batch) -> dict | None:
         """One iteration; None if it was skipped (non-finite, --on-nonfinite skip)."""

@@ -89,6 +89,21 @@ def metric_steps(out: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f)]
 
 
+def test_a_run_that_ends_at_an_epoch_end_saves_a_position_that_resumes_there(tmp_path):
+    """Steps = 2 epochs exactly: the loader runs out before the step limit is looked at, so the
+    epoch counter moves on before the final save. The saved position must still be the step
+    (it used to name the next epoch with the last one's batch count: a resume then skipped a
+    whole epoch of data). Resumed to step 16, the pools hold the law's clips."""
+    out = tmp_path / "run"
+    per_epoch = CLIPS // M
+    args = TINY[1:] + ["--sampler", "random", "--log-every", "2", "--out", str(out), "--steps"]
+    train.main(args + [str(2 * per_epoch)])
+    state = ckpt.load(out / f"ckpt_{2 * per_epoch:08d}.pt")
+    assert_queues_follow_the_law(state, dictionaries=True)
+    train.main(args + ["16"])
+    assert_queues_follow_the_law(ckpt.load(out / f"ckpt_{16:08d}.pt"), dictionaries=True)
+
+
 def test_resume_1_to_2_to_1_continues_the_global_sequence(tmp_path, capsys):
     """One process to step 4, 2 ranks (torchrun) to step 9 (across an epoch end), one process
     to step 14: the dictionaries and pools hold exactly the clips the law gives (those of a run
