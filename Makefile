@@ -18,7 +18,7 @@ demo: install
 	$(PY) -m cmacc.apps.demo --out runs/demo
 
 test: install
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
 
 bench: install
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,max,rounds

@@ -86,6 +86,18 @@ def mean_ci(values) -> tuple[float, float]:
     return mean, t975(n - 1) * sd / math.sqrt(n)
 
 
+def format_interval(mean: float, half: float, digits: int = 3, signed: bool = False) -> str:
+    """``mean ± half`` as every report prints it ("+0.105 ± 0.030" signed, for differences); the
+    mean alone where there is no interval (half NaN: one value)."""
+    m = f"{mean:{'+' if signed else ''}.{digits}f}"
+    return m if math.isnan(half) else f"{m} ± {half:.{digits}f}"
+
+
+def format_ci(values, digits: int = 3, signed: bool = False) -> str:
+    """``format_interval`` of ``mean_ci(values)``: mean ± 95% t-interval."""
+    return format_interval(*mean_ci(values), digits=digits, signed=signed)
+
+
 class RunningMeans:
     """Named per-step scalars summed on the device; ``means()`` averages them over the steps
     since the last call and across ranks (one all-reduce, the only sync)."""

@@ -98,6 +98,11 @@ class CMACC(nn.Module):
         self.pool_a = KeyPool(self.sel.pool_size, cfg.dim)  # U_a
         self.shuffle_bn = True  # MoCo's shuffle-BN in the key encoders (world size > 1)
         self.timer = None  # optional metrics.SectionTimer: times the active selection
+        # optional: (dataset index [m], "video" | "audio") → keys [m, d] of those clips by the
+        # current key encoder. Set, the picks' keys are re-encoded before they are enqueued (a
+        # departure from Algorithm 1, which enqueues the pool's keys, encoded when the pool was
+        # drawn: the MI study's --fresh-picks tests what that staleness costs)
+        self.reencode = None
         self._stream = None  # CUDA side stream of the selection (created on first use)
 
     @property
@@ -173,6 +178,9 @@ class CMACC(nn.Module):
                 _join(side, sel_v, sel_a)
                 if self.timer:  # visible: that wait
                     self.timer.stop("select_visible", tw)
+            if self.reencode is not None:  # the departure above: fresh keys of the picks
+                sel_v.keys = self.reencode(sel_v.index, "video")
+                sel_a.keys = self.reencode(sel_a.index, "audio")
             self.dict_v.enqueue(sel_v.keys, sel_v.index)
             self.dict_a.enqueue(sel_a.keys, sel_a.index)
             stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2

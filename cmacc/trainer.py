@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from data_dali.cli import Interrupted, UserError, output_folder
-from data_dali.fileio import sweep_temporaries, write_failure
+from data_dali.fileio import FolderBusy, hold_folder, sweep_temporaries, write_failure
 
 from . import amp
 from . import checkpoint as ckpt
@@ -146,6 +146,7 @@ class Trainer:
         self.stop_requested = False  # agreed by all ranks after every step
         self.too_many_bad = None  # the line of an agreed stop past --max-bad-clips
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
+        self.held = None  # rank 0: the open lock file of OUT (one run per folder)
 
     # -- public -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -153,6 +154,14 @@ class Trainer:
         (rank 0; {} on other ranks). Stopped by SIGTERM/SIGINT: saves, then raises
         ``Interrupted`` (a cut-short run never returns a summary as if it had finished)."""
         self._repeat_an_agreed_stop()
+        try:
+            return self._run()
+        finally:
+            if self.held is not None:  # OUT is free for the next command
+                self.held.close()
+                self.held = None
+
+    def _run(self) -> dict:
         with self._process_group(), self._stop_on_signals():
             self._setup()
             try:
@@ -334,12 +343,37 @@ class Trainer:
         """OUT exists, is a writable folder, and holds no half-written file of a killed run (nor
         the agreed stop of an earlier torchrun job: this is a new command)."""
         out = output_folder(self.out, "--out")
+        self._hold_out(out)
         if self.rank == 0 and du.restart_count() == 0:
             ckpt.clear_stop(out)
         if self.rank == 0:
             n = sweep_temporaries(out)
             if n:
                 log.info("removed %d half-written file(s) of an interrupted run in %s", n, out)
+
+    def _hold_out(self, out):
+        """Rank 0 locks OUT for the run: a second command on the same folder (the same command
+        started twice, in another shell or by a scheduler's retry) is refused on every rank,
+        in one line naming the holder, before it reads or writes anything. A torchrun restart
+        of this job (a lost rank or node) goes on if the lock is still held: its holder is this
+        job's own lost process (a dead node's lock can outlive it on a network filesystem),
+        and a lost node is a pause, not the end."""
+        busy = None
+        if self.rank == 0:
+            try:
+                self.held = hold_folder(out)
+            except FolderBusy as e:
+                if du.restart_count():
+                    log.warning("%s; continuing, as torchrun restart %d of this job (the holder "
+                                "is taken to be its own lost process)", e, du.restart_count())
+                else:
+                    busy = str(e)
+        if self.world > 1:  # every rank stops, none waits for rank 0 in a collective
+            flag = du.broadcast_(torch.tensor([float(busy is not None)], device=self.device))
+            if flag.item() and busy is None:
+                busy = f"--out {out} is in use by another run (rank 0 names it)"
+        if busy:
+            raise UsageError(busy)
 
     def _find_resume(self):
         """(path, state) to resume from, or None to start; sets the run id. A folder holds one

@@ -141,3 +141,45 @@ def sweep_temporaries(folder, recursive: bool = False) -> int:
             p.unlink(missing_ok=True)
             n += 1
     return n
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per folder
+# ----------------------------------------------------------------------------------------------
+LOCK_NAME = ".run.lock"
+
+
+class FolderBusy(RuntimeError):
+    """Another live process holds the folder (``hold_folder``); the message names it."""
+
+
+def hold_folder(folder, flag: str = "--out"):
+    """An exclusive lock on ``folder`` for as long as the returned file stays open (close it to
+    let go; the kernel lets go when the process ends, killed or not, so a crashed run never
+    leaves the folder locked). Raises ``FolderBusy`` naming the holder (pid, host, since when)
+    if another process holds it. A filesystem without locks (some network mounts) returns None:
+    the run goes on unguarded rather than not at all."""
+    import fcntl
+    import socket
+    import time
+
+    path = Path(folder) / LOCK_NAME
+    f = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process that has not said who it is"
+        f.close()
+        raise FolderBusy(f"{flag} {folder} is in use by another run ({holder}): two runs in one "
+                         "folder would overwrite each other's checkpoints and logs; wait for "
+                         f"it to end, stop it, or pass another {flag}") from None
+    except OSError:  # ENOLCK / EOPNOTSUPP: no locks on this filesystem
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f

@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 from cmacc.apps import analysis
-from cmacc.metrics import expected_unique, mean_ci, t975
+from cmacc.metrics import expected_unique, format_ci, format_interval, mean_ci, t975
 
 
 def test_gallery_orders_hard_before_easy(tiny_run, tmp_path):
@@ -86,6 +86,15 @@ def test_mean_ci_is_the_t_interval():
     assert mean == pytest.approx(np.mean(v))
     assert half == pytest.approx(stats.t.ppf(0.975, 3) * np.std(v, ddof=1) / 2, rel=1e-3)
     assert math.isnan(mean_ci([0.5])[1])
+
+
+def test_intervals_print_as_mean_plus_minus_half_width():
+    """One format for every report: mean ± t-interval half-width, signed for differences, the
+    mean alone for one value. [1, 2, 3]: mean 2, s = 1, t(0.975, 2) = 4.3027 → ± 2.484."""
+    assert format_ci([1, 2, 3]) == "2.000 ± 2.484"
+    assert format_ci([-1, -2, -3], digits=2, signed=True) == "-2.00 ± 2.48"
+    assert format_ci([0.25], signed=True) == "+0.250"
+    assert format_interval(0.1, 0.02, signed=True) == "+0.100 ± 0.020"
 
 
 

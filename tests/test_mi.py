@@ -486,6 +486,80 @@ def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders()
         mi.MIConfig(pool_mode="weekly")
 
 
+def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
+    """The freshness of the enqueued keys is measured every KEY_COS_EVERY steps by encoding
+    pairs again (shuffle-BN draws a permutation each time, and BN buffers move): the run must
+    train exactly as without it, losses, accuracies and weights bit for bit."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([12, 7]), 2, 256, seed=1, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "max_steps": 24, "min_steps": 24, "window": 6,
+                         "pool_mode": "epoch"})
+    assert cfg.bn_groups > 1  # the shuffled key encoders: the random state is used
+    runs = []
+    mp = pytest.MonkeyPatch()
+    try:
+        for every in (10**9, 3):
+            mp.setattr(mi.train, "KEY_COS_EVERY", every)
+            runs.append(mi.train_one("CM-ACC", pairs, cfg, seed=0))
+    finally:
+        mp.undo()
+    (m0, h0), (m1, h1) = runs
+    assert h0["loss"] == h1["loss"] and h0["acc"] == h1["acc"]
+    s0, s1 = m0.state_dict(), m1.state_dict()
+    assert all(torch.equal(s0[k], s1[k]) if torch.is_tensor(s0[k]) else s0[k] == s1[k]
+               for k in s0)
+    assert all(math.isnan(c) for c in h0["key_cos"]) and math.isnan(h0["key_cos_2nd_half"])
+    assert len(h1["key_cos"]) == 4 and all(-1 <= c <= 1 for c in h1["key_cos"])
+
+
+def _last_enqueued(model, m):
+    """The last m (keys, pair indices) written into D_v and D_a."""
+    out = []
+    for d in (model.dict_v, model.dict_a):
+        pos = (int(d.ptr) - m + torch.arange(m)) % d.size
+        out.append((d.keys[pos], d.index[pos]))
+    return out
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_picks_enqueue_the_current_key_encoders_keys(fresh):
+    """Algorithm 1 enqueues the picks' keys from the pool, encoded when the pool was drawn;
+    --fresh-picks re-encodes them by the current key encoders first. Checked against the key
+    encoders run here on the last step's picks (BN over the whole batch: one group) and against
+    the pool's own keys; and the recorded freshness: 1 for fresh keys and for XMoCo's batch
+    keys, below 1 for the pool's keys once the key encoder has moved (m = 0.5)."""
+    # 512 pairs: an epoch of 16 steps, pools drawn at steps 0 and 16, each pair once per pool
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([12, 7]), 2, 512, seed=1, drawers=range(0, 14))
+    cfg = mi.MIConfig(**{**mi.QUICK, "bn_groups": 1, "momentum": 0.5, "max_steps": 20,
+                         "min_steps": 20, "window": 5, "pool_mode": "epoch", "fresh_picks": fresh})
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mi.train, "KEY_COS_EVERY", 2)
+    try:
+        model, hist = mi.train_one("CM-ACC", pairs, cfg, seed=0)
+        _, xmoco = mi.train_one("XMoCo", pairs, cfg, seed=0)
+    finally:
+        mp.undo()
+    m = cfg.batch
+    (kv, iv), (ka, ia) = _last_enqueued(model, m)
+    with torch.no_grad():
+        ref_v = model.h_v(pairs.batch(iv)[0])[0]
+        ref_a = model.h_a(pairs.batch(ia)[1])[0]
+    assert torch.equal(model.pool_v.index, model.pool_a.index)
+    assert len(set(model.pool_v.index.tolist())) == model.pool_v.count  # no pair twice
+    slot = {int(i): s for s, i in enumerate(model.pool_v.index)}
+    pool_v = model.pool_v.keys[[slot[int(i)] for i in iv]]
+    pool_a = model.pool_a.keys[[slot[int(i)] for i in ia]]
+    if fresh:
+        torch.testing.assert_close(kv, ref_v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ka, ref_a, rtol=1e-5, atol=1e-5)
+        assert min(hist["key_cos"]) > 1 - 1e-5
+    else:
+        torch.testing.assert_close(kv, pool_v)
+        torch.testing.assert_close(ka, pool_a)
+        assert (kv * ref_v).sum(1).mean() < 0.999
+        assert hist["key_cos"][-1] < 0.999
+    assert min(xmoco["key_cos"]) > 1 - 1e-5  # XMoCo ignores fresh_picks: it has no picks
+
+
 def test_a_resume_with_another_pool_mode_trains_only_the_active_runs_again(tmp_path):
     """The pool mode is, like the pool size, a setting of the active samplers' runs: a study
     with another one is the same study (no error), its active runs are set aside (runs of an

@@ -76,6 +76,32 @@ def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     assert path.name == "ckpt_00000005.pt" and state["step"] == 5
 
 
+def test_a_second_run_on_a_folder_in_use_is_refused_and_a_run_lets_go_when_it_ends(tmp_path,
+                                                                                  capsys):
+    """One run per --out: while another process holds the folder (here this test, through the
+    same lock; flock conflicts between two opens even in one process), train.py stops in one
+    line naming the holder, before writing anything; once the holder lets go the run trains,
+    and a finished run leaves the folder free (the lock file says who held it last)."""
+    import os
+
+    from data_dali.fileio import LOCK_NAME, hold_folder
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = hold_folder(out)
+    with pytest.raises(SystemExit) as e:
+        train.main(TINY + ["--steps", "2", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is in use by another run (pid " in err, err
+    assert f"pid {os.getpid()} on " in err and "pass another --out" in err
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing read or written
+    held.close()
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    assert (out / "ckpt_00000002.pt").is_file()
+    hold_folder(out).close()  # free again: the run let go of it
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--sampler", "nope"], "invalid choice"),
     (["--dict-size", "4"], "dict_size"),

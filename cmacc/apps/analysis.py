@@ -26,7 +26,7 @@ import torch
 
 from cmacc.config import GRAD_VIEWS, PRESETS, Config
 from cmacc.data import synthetic_clips
-from cmacc.metrics import expected_unique, mean_ci
+from cmacc.metrics import expected_unique, format_interval, mean_ci
 from cmacc.runlog import read_csv, save_figure
 from cmacc.trainer import Trainer
 from data_dali.synthetic import class_counts
@@ -381,8 +381,7 @@ def synthetic_run(run):
 
 
 def _pm(stat) -> str:
-    mean, half = stat
-    return f"{mean:.3f}" if half != half else f"{mean:.3f} ± {half:.3f}"  # (NaN: one seed)
+    return format_interval(*stat)  # (the mean alone with one seed)
 
 
 def diversity_report(res: dict) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from cmacc.metrics import expected_unique, mean_ci
+from cmacc.metrics import expected_unique, format_interval, mean_ci
 from cmacc.model import CMACC
 from cmacc.runlog import plot_metrics, read_csv
 from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
@@ -78,7 +78,7 @@ def verdict(diffs: list[float]) -> str:
     if len(diffs) < 2:
         return (f"{mean:+.3f} ({per}); one seed gives no interval: run --seeds 3 or more to "
                 f"tell a difference from the spread between seeds")
-    head = f"{mean:+.3f} ± {half:.3f} (95% interval over {len(diffs)} seeds; {per}); "
+    head = f"{format_interval(mean, half, signed=True)} (95% interval over {len(diffs)} seeds; {per}); "
     if mean - half > 0:
         return head + "the interval excludes 0: active enqueues more varied negatives than random"
     if mean + half < 0:

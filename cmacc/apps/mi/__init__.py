@@ -31,7 +31,12 @@ Every run also records the diversity of the negatives it enqueues, by the real c
 the enqueued pairs, position by position (unique/M and coverage as ``cmacc.metrics`` defines
 them; ``train.character_diversity`` says why per position): per window and over the second
 half of training. ``report.md`` tables it per l and sampler beside random sampling's law,
-with each sampler minus random (XMoCo) paired by seed; ``mi_diversity.png`` draws it.
+with each sampler minus random (XMoCo) paired by seed; ``mi_diversity.png`` draws it. Every
+10th step a run also measures how fresh the keys it just enqueued are: their cosine to the same
+pairs' keys by the current key encoders (1 = encoded now), without changing the run.
+``--fresh-picks`` re-encodes the active samplers' picks by the current key encoders before
+they are enqueued (a departure from Algorithm 1, which enqueues the pool's keys, as old as the
+pool): what the pool's staleness costs, measured.
 ``--pool-mode epoch`` gives the active samplers the paper's per-epoch candidate pools (N random
 training pairs through the key encoders at each epoch start; an epoch = one pass over the
 training pairs at batch M) instead of the rolling pool.

@@ -25,6 +25,10 @@ FIELD_HELP = {  # MIConfig's fields that need more than their default
                  "at each epoch start, an epoch being one pass over the training pairs at batch "
                  "M (floor(pairs / M) steps). A resumed study with another pool trains only the "
                  "active samplers' runs again; ",
+    "fresh_picks": "a departure, to measure what the pool's staleness costs: the active "
+                   "samplers' picks are re-encoded by the current key encoders before they are "
+                   "enqueued (Algorithm 1 enqueues the pool's keys, encoded when the pool was "
+                   "drawn); ",
 }
 
 

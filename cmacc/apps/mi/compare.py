@@ -9,7 +9,8 @@ is ``STUDY:METHOD`` (STUDY = a study's ``--out`` folder or its ``mi.json``). The
 have drawn the same pairs (alphabets, relation, training/test/probe pair counts): a seed then
 means the same pairs order and initial encoders in both, and the differences are paired by
 seed. Printed, per l both ran: steps, wall and CPU seconds of training per run, the probe on
-both test sets and the enqueued negatives' diversity (second half of training), each side's
+both test sets, the enqueued negatives' diversity and their keys' freshness (second half of
+training), each side's
 mean ± 95% t-interval over the seeds both ran, and the first minus the second per seed with
 its interval;
 then the settings in which the two studies differ.
@@ -17,20 +18,23 @@ then the settings in which the two studies differ.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
-from cmacc.metrics import mean_ci
+from cmacc.metrics import format_interval, mean_ci
 from data_dali.cli import ArgumentParser, UserError, command
+
+from .train import MIConfig
 
 # what must be equal for a seed to mean the same pairs in both studies
 SAME_DATA = ("alphabets", "relation", "n_train", "n_test", "n_probe")
 # the per-run figures compared: (mi.json key, label)
 FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen drawings"),
            ("unique_per_m_2nd_half", "negatives unique/M, 2nd half"),
-           ("coverage_2nd_half", "negatives coverage, 2nd half"))
+           ("coverage_2nd_half", "negatives coverage, 2nd half"),
+           ("key_cos_2nd_half", "enqueued keys' cosine to fresh keys, 2nd half"))
 
 
 def load_side(spec: str) -> tuple[dict, str, str]:
@@ -84,17 +88,16 @@ def compare(a: dict, ma: str, b: dict, mb: str, l: int) -> dict:
 
 
 def config_differences(a: dict, b: dict) -> list[str]:
-    """'key: a vs b' for every training setting in which the two studies differ."""
-    ca, cb = a.get("config", {}), b.get("config", {})
+    """'key: a vs b' for every training setting in which the two studies differ (a setting
+    an older mi.json lacks had its default then)."""
+    defaults = dataclasses.asdict(MIConfig())
+    ca, cb = {**defaults, **a.get("config", {})}, {**defaults, **b.get("config", {})}
     return [f"{k}: {ca.get(k)} vs {cb.get(k)}" for k in sorted(set(ca) | set(cb))
             if ca.get(k) != cb.get(k)]
 
 
-def _pm(stat, fmt="{:.3f}") -> str:
-    if stat is None:
-        return "not recorded"
-    mean, half, _ = stat
-    return fmt.format(mean) if math.isnan(half) else f"{fmt.format(mean)} ± {fmt.format(half)}"
+def _pm(stat, digits=3) -> str:
+    return "not recorded" if stat is None else format_interval(*stat[:2], digits=digits)
 
 
 def table(cmp: list[dict], name_a: str, name_b: str) -> list[str]:
@@ -104,14 +107,12 @@ def table(cmp: list[dict], name_a: str, name_b: str) -> list[str]:
     for c in cmp:
         for key, label in (("steps", "steps"), ("seconds", "training s per run (wall)"),
                            ("cpu_seconds", "training s per run (CPU)")):
-            fmt = "{:.0f}"
-            lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key], fmt)} | "
-                         f"{_pm(c['b'][key], fmt)} | |")
+            lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key], 0)} | "
+                         f"{_pm(c['b'][key], 0)} | |")
         for key, label in FIGURES:
             d = c["diff"][key]
             cell = "—" if d is None else (
-                (f"{d['mean']:+.3f}" if math.isnan(d["half"]) else
-                 f"{d['mean']:+.3f} ± {d['half']:.3f}")
+                format_interval(d["mean"], d["half"], signed=True)
                 + " (" + ", ".join(f"{v:+.3f}" for v in d["per_seed"]) + ")")
             lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key])} | {_pm(c['b'][key])} | "
                          f"{cell} |")

@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from cmacc.metrics import mean_ci
+from cmacc.metrics import format_ci, mean_ci
 from cmacc.runlog import save_figure
 from data_dali.fileio import atomic_write_text
 
@@ -117,10 +117,7 @@ def _paired_lines(results, chars, pairs, heading="Differences, paired by seed") 
 
 
 def _signed(values) -> str:
-    if not values:
-        return "—"
-    mean, half = mean_ci(values)
-    return f"{mean:+.3f}" if math.isnan(half) else f"{mean:+.3f} ± {half:.3f}"
+    return format_ci(values, signed=True) if values else "—"
 
 
 def _sampler_lines(results, methods, samplers) -> list[str]:
@@ -184,14 +181,19 @@ def _diversity_lines(results, chars, methods) -> list[str]:
              "the second half of each run's steps, ± 95% t-interval over seeds; random law = "
              "the expected value of a uniformly random batch of the training pairs (what "
              "XMoCo and SMoCo enqueue); the differences are paired by seed ('not recorded': "
-             "runs from before this was measured)."]
-    for key, name in (("unique_per_m", "unique/M"), ("coverage", "coverage")):
+             "runs from before this was measured). Freshness: the mean cosine between the "
+             "keys a step enqueued and the keys of the same pairs by the current key encoders, "
+             "every 10th step (1 = encoded now; XMoCo's batch keys are, with other BN groups; "
+             "the active samplers enqueue the pool's keys, as old as the pool)."]
+    for key, name in (("unique_per_m", "unique/M"), ("coverage", "coverage"),
+                      ("key_cos", "freshness of the enqueued keys")):
         lines += ["", f"### {name}, second half of training", "",
                   "| l | random law | " + " | ".join(methods) + " | "
                   + " | ".join(f"{a} − {b}" for a, b in pairs) + " |",
                   "|---" * (2 + len(methods) + len(pairs)) + "|"]
         for l in chars:
-            cells = ["—" if str(l) not in law else f"{law[str(l)][key]:.3f}"]
+            cells = ["—" if str(l) not in law or key not in law[str(l)]
+                     else f"{law[str(l)][key]:.3f}"]
             cells += [_recorded(results, m, l, f"{key}_2nd_half") for m in methods]
             for a, b in pairs:
                 d = paired_difference(results, a, b, l, f"{key}_2nd_half")
@@ -226,8 +228,7 @@ def _time_lines(results, chars, methods) -> list[str]:
 
 
 def _pm(values) -> str:
-    mean, half = mean_ci(values)
-    return f"{mean:.3f}" if math.isnan(half) else f"{mean:.3f} ± {half:.3f}"
+    return format_ci(values)
 
 
 def _pyplot():

@@ -44,6 +44,10 @@ def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -
     d.append(f"drawers 0..{TRAIN_DRAWERS - 1} for training pairs, the others for the probe's "
              "test pairs (not stated in the appendix); the probe is also scored on new pairs "
              "of the training drawers' own drawings ('seen drawings')")
+    if cfg.fresh_picks:
+        d.append("fresh picks (--fresh-picks): the active samplers' picks are re-encoded by the "
+                 "current key encoders before they are enqueued; Algorithm 1 enqueues the "
+                 "pool's keys as encoded when the pool was drawn")
     for name, paper in PAPER_CONFIG.items():
         if getattr(cfg, name) != paper:
             d.append(f"{name} = {getattr(cfg, name)} (paper: {paper}){DEPARTURE_WHY.get(name, '')}")
@@ -89,6 +93,8 @@ def _resume(path: Path, settings: dict) -> dict:
         old = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable ({e}); move it away or pass another --out") from None
+    defaults = dataclasses.asdict(MIConfig())
+
     def same(k):
         # a shorter earlier study of the same alphabets is still the same study
         a, b = old.get(k), settings[k]
@@ -97,7 +103,8 @@ def _resume(path: Path, settings: dict) -> dict:
             return a[:n] == b[:n]
         if k == "config" and isinstance(a, dict):  # the pool is a setting of each active run
             pool = {"pool_mult": None, "pool_mode": None}
-            return {**a, **pool} == {**b, **pool}
+            # a field an older mi.json lacks had its default then
+            return {**defaults, **a, **pool} == {**b, **pool}
         return a == b
     diff = [k for k in settings if not same(k)]
     if diff:

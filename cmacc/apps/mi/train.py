@@ -3,6 +3,7 @@ the model of each method, the stop rule and the loop."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class MIConfig:
     # before it starts to fall)
     shift: int = 2  # SMoCo's second view: translation (px) and noise
     noise: float = 0.05
+    fresh_picks: bool = False  # re-encode the picked candidates by the current key encoders
+    # before they are enqueued (a departure: Algorithm 1 enqueues the pool's keys, encoded when
+    # the pool was drawn); what the pool's staleness costs, measured
 
     def __post_init__(self):
         for name in ("batch", "dict_mult", "pool_mult", "dim", "width", "max_steps", "window",
@@ -154,6 +158,36 @@ def loss_plateaued(losses: list[float], cfg: MIConfig) -> bool:
 
 
 DIVERSITY = ("unique_per_m", "coverage")
+KEY_COS_EVERY = 10  # steps between two measurements of the enqueued keys' freshness
+
+
+def encode_pairs(model: CMACC, pairs: MultiOmniglotPairs, index: torch.Tensor,
+                 which: str) -> torch.Tensor:
+    """Keys [m, d] of the pairs ``index`` by the current key encoder of ``which`` ("video":
+    x, h_v; "audio": y, h_a), as the model encodes a batch's keys."""
+    x, y = pairs.batch(index)
+    return model.encode_keys(model.h_v if which == "video" else model.h_a,
+                             x if which == "video" else y)
+
+
+@torch.no_grad()
+def enqueued_key_cosine(model: CMACC, pairs: MultiOmniglotPairs, m: int) -> float:
+    """How fresh the keys just enqueued are: the mean cosine between each of the last m keys
+    of D_v and D_a and the key of the same pair by the current key encoder (1: encoded now;
+    XMoCo's batch keys are encoded in this step, with other BN groups). A measurement only:
+    the random state and the key encoders' BN buffers are restored, so the run trains as it
+    would without it."""
+    buffers = [b.clone() for enc in (model.h_v, model.h_a) for b in enc.buffers()]
+    cos = []
+    with torch.random.fork_rng(devices=[]):
+        for dictionary, which in ((model.dict_v, "video"), (model.dict_a, "audio")):
+            pos = (int(dictionary.ptr) - m + torch.arange(m)) % dictionary.size
+            keys, index = dictionary.keys[pos], dictionary.index[pos]
+            fresh = encode_pairs(model, pairs, index, which)
+            cos.append(float((keys.float() * fresh.float()).sum(1).mean()))
+    for b, saved in zip((b for enc in (model.h_v, model.h_a) for b in enc.buffers()), buffers):
+        b.copy_(saved)
+    return statistics.fmean(cos)
 
 
 def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[str, float]:
@@ -202,17 +236,20 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn and
     the time their drawing took (pool_seconds, pool_cpu_seconds; part of the above)."""
     model = build_model(method, cfg, seed)
+    if cfg.fresh_picks and selects(method):
+        model.reencode = lambda index, which: encode_pairs(model, train, index, which)
     opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
     g = torch.Generator().manual_seed(seed)
     n = len(train)
     perm, pos = torch.randperm(n, generator=g), 0
     epoch_pools = selects(method) and cfg.pool_mode == "epoch"
-    hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "steps": 0,
+    hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "key_cos": [], "steps": 0,
             "stop": "max_steps",
             **({"pool_draws": [], "pool_seconds": 0.0, "pool_cpu_seconds": 0.0}
                if epoch_pools else {})}
     acc_sum = loss_sum = 0.0
     div = {k: [] for k in DIVERSITY}  # per step
+    key_cos = []  # (step, enqueued_key_cosine) every KEY_COS_EVERY steps
     t0, c0 = time.perf_counter(), time.process_time()
     for step in range(cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
@@ -241,11 +278,15 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         enq = [character_diversity(train, stats[k]) for k in ("enq_index_v", "enq_index_a")]
         for k in DIVERSITY:
             div[k].append((enq[0][k] + enq[1][k]) / 2)
+        if method != "SMoCo" and (step + 1) % KEY_COS_EVERY == 0:
+            key_cos.append((step, enqueued_key_cosine(model, train, cfg.batch)))
         if (step + 1) % cfg.window == 0:
             hist["acc"].append(acc_sum / cfg.window)
             hist["loss"].append(loss_sum / cfg.window)
             for k in DIVERSITY:
                 hist[k].append(statistics.fmean(div[k][-cfg.window:]))
+            window = [c for s, c in key_cos if s > step - cfg.window]
+            hist["key_cos"].append(statistics.fmean(window) if window else math.nan)
             acc_sum = loss_sum = 0.0
             if log:
                 log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
@@ -259,6 +300,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         hist["steps"] = cfg.max_steps
     for k in DIVERSITY:  # the second half of the steps run: past the pool warm-up
         hist[f"{k}_2nd_half"] = statistics.fmean(div[k][hist["steps"] // 2:])
+    late = [c for s, c in key_cos if s >= hist["steps"] // 2]
+    hist["key_cos_2nd_half"] = statistics.fmean(late) if late else math.nan
     hist["seconds"] = time.perf_counter() - t0
     hist["cpu_seconds"] = time.process_time() - c0
     return model, hist
