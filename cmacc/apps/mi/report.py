@@ -188,8 +188,8 @@ def _diversity_lines(results, chars, methods) -> list[str]:
     for key, name in (("unique_per_m", "unique/M"), ("coverage", "coverage"),
                       ("key_cos", "freshness of the enqueued keys")):
         lines += ["", f"### {name}, second half of training", "",
-                  "| l | random law | " + " | ".join(methods) + " | "
-                  + " | ".join(f"{a} − {b}" for a, b in pairs) + " |",
+                  "| " + " | ".join(["l", "random law", *methods,
+                                     *(f"{a} − {b}" for a, b in pairs)]) + " |",
                   "|---" * (2 + len(methods) + len(pairs)) + "|"]
         for l in chars:
             cells = ["—" if str(l) not in law or key not in law[str(l)]
