@@ -267,7 +267,9 @@ def test_an_agreed_stop_ends_every_rank_and_is_not_restarted_into(damaged_manife
                        text=True, timeout=150)
     assert p.returncode != 0
     lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 4 and len(set(lines)) == 1, p.stderr[-3000:]  # 2 ranks x 2 attempts
+    # 2 ranks x 2 attempts say it; torchrun SIGTERMs the ranks still running once one has exited,
+    # so on a slow host a rank can be ended between the agreed stop and its line (seen in CI)
+    assert 2 <= len(lines) <= 4 and len(set(lines)) == 1, p.stderr[-3000:]
     assert "1 damaged clips, more than --max-bad-clips 0" in lines[0] and "bad_clips.csv" in lines[0]
     assert "exitcode  : 2" in p.stderr and "[rank0]" not in p.stderr and "[rank1]" not in p.stderr
     assert p.stderr.count("not training again into the same failure") == 1
