@@ -24,7 +24,7 @@ from data_dali.classdist import zipf_exponent
 from .encoders import VIDEO_ARCHS, backbone_features
 
 OBJECTIVES = ("cross", "smoco")  # cross-modal (XMoCo / CM-ACC) or unimodal SMoCo
-SAMPLERS = ("random", "active", "active-feature", "ohem")
+SAMPLERS = ("random", "active", "active-feature", "ohem", "pool-random")
 GRAD_VIEWS = ("head", "queries")
 POOL_MODES = ("rolling", "epoch")
 SELECT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input precision of the embedding kernel
@@ -137,10 +137,13 @@ class SelectionConfig:
     factors: str = "fp32"
     kmeans: str = "steps"  # not measured on a GPU yet: the default stays the per-step variant
     overlap: bool = True  # CUDA: select on a side stream while the key encoders run
+    pool_refresh: int = 0  # R: batches of M pool entries re-encoded per step by the current key
+    # encoders, round robin, so no candidate's key is older than N / (R * M) steps (0: none, the
+    # paper's Algorithm 1, whose pool keys are as old as the pool)
 
     # added after checkpoints existed: they count in config_hash only away from their default,
     # and the two that cannot change a result (kmeans, overlap) never count
-    _HASH_IF_SET = ("precision", "factors")
+    _HASH_IF_SET = ("precision", "factors", "pool_refresh")
     _HASH_NEVER = ("kmeans", "overlap")
 
     def __post_init__(self):
@@ -151,9 +154,11 @@ class SelectionConfig:
         _choice("grad_view", self.grad_view, GRAD_VIEWS)
         _choice("pool_mode", self.pool_mode, POOL_MODES)
         _positive(self, "pool_size")
+        if self.pool_refresh < 0:
+            raise ValueError(f"pool_refresh must be >= 0 batches per step, got {self.pool_refresh}")
         if self.tau_p <= 0:
             raise ValueError(f"tau_p must be > 0, got {self.tau_p}")
-        _at_most(self, pool_size=2 ** 26, tau_p=1e3)
+        _at_most(self, pool_size=2 ** 26, tau_p=1e3, pool_refresh=2 ** 16)
 
 
 @dataclass
@@ -337,7 +342,7 @@ def method_name(model: ModelConfig, sel: SelectionConfig) -> str:
     if model.objective == "smoco":
         return "SMoCo"
     name = {"random": "XMoCo", "active": "CM-ACC", "active-feature": "CM-ACC(feature)",
-            "ohem": "XMoCo+OHEM"}[sel.sampler]
+            "ohem": "XMoCo+OHEM", "pool-random": "XMoCo(pool)"}[sel.sampler]
     return name if model.fcl else f"{name} (w/o fcl)"
 
 

@@ -5,7 +5,8 @@ One training iteration (``CMACC.forward``), for the global batch of M clips spli
     1. momentum update of the key encoders (incl. the cross-modal fcl rule)
     2. queries  q_v, h_v = f_v(v);  q_a, h_a = f_a(a)            (with grad, this rank's clips)
        keys     k_v = h_v(v);       k_a = h_a(a)                 (no grad, shuffle-BN)
-    3. active samplers: S_v = select(U_v \\ D_v; pseudo-labels from the global q_a, h_a) → D_v
+    3. pool refresh (--pool-refresh R): R batches of the pools' clips through the key encoders
+       active samplers: S_v = select(U_v \\ D_v; pseudo-labels from the global q_a, h_a) → D_v
                         S_a = select(U_a \\ D_a; pseudo-labels from the global q_v, h_v) → D_a
     4. loss = ½ [CE([q_v·k_a, q_v·D_a]/τ, 0) + CE([q_a·k_v, q_a·D_v]/τ, 0)]
     5. random sampler: enqueue the batch keys (MoCo order: after the loss);
@@ -103,6 +104,9 @@ class CMACC(nn.Module):
         # departure from Algorithm 1, which enqueues the pool's keys, encoded when the pool was
         # drawn: the MI study's --fresh-picks tests what that staleness costs)
         self.reencode = None
+        # (dataset index [m] of this rank's share) → (video, audio) of those clips on the
+        # model's device: what the pool refresh (SelectionConfig.pool_refresh) re-encodes
+        self.fetch = None
         self._stream = None  # CUDA side stream of the selection (created on first use)
 
     @property
@@ -152,6 +156,8 @@ class CMACC(nn.Module):
         ready = min(self.pool_v.size, cfg.dict_size + index_all.shape[0])
         active = self.sel.sampler != "random" and self.pool_v.count >= ready
         side, keys = None, None
+        if active and self.sel.pool_refresh:
+            self.refresh_pools()
         if not (active and self.sel.overlap):  # the serial schedule: keys, then the selection
             keys = self._encode_batch_keys(video, audio)
         if active:  # paper Alg. 1 lines 10-21: select, enqueue, then the loss
@@ -198,6 +204,30 @@ class CMACC(nn.Module):
         stats.update(loss_va=loss_va.detach(), loss_av=loss_av.detach(),
                      acc=(acc_va + acc_av) / 2, active=float(active))
         return (loss_va + loss_av) / 2, stats
+
+    @torch.no_grad()
+    def refresh_pools(self):
+        """Re-encode R = ``sel.pool_refresh`` global batches of the pools' entries by the current
+        key encoders, round robin over the slots (at most the whole pool a step), so that no
+        candidate's key is older than N / (R * M) steps. U_v and U_a hold the same clips slot by
+        slot (both take each batch's, or each epoch draw's, indices), so one pass fills both.
+        Every rank encodes its contiguous share of each batch and gathers the rest, as with a
+        batch's keys (shuffle-BN included): every rank ends with the same pools."""
+        if self.fetch is None:
+            raise ValueError("pool refresh needs the clips of the pool's entries: set "
+                             "CMACC.fetch (index → video, audio)")
+        n, m = self.pool_v.count, self.cfg.batch_size
+        world, rank = du.world_size(), du.rank()
+        for _ in range(min(self.sel.pool_refresh, n // m)):
+            slots = self.pool_v.next_refresh(m)  # [M] host
+            self.pool_a.refresh = self.pool_v.refresh
+            mine = slots.view(world, -1)[rank].to(self.pool_v.index.device)  # [M / world]
+            # the clips' indices to the host: the data is read there (one sync per batch)
+            video, audio = self.fetch(self.pool_v.index[mine])
+            k_v, k_a = self.encode_clips(video, audio)  # [M / world, d]
+            at = slots.to(self.pool_v.keys.device)
+            self.pool_v.keys.index_copy_(0, at, du.gather_cat(k_v).to(self.pool_v.keys.dtype))
+            self.pool_a.keys.index_copy_(0, at, du.gather_cat(k_a).to(self.pool_a.keys.dtype))
 
     def _select(self, pool, dictionary, queries, feats, m, step, which):
         # the pool's capacity buffers and valid count: one GPU graph for every fill level

@@ -7,7 +7,8 @@ enqueue never syncs with the host.
 
 ``KeyPool`` (the candidate pool U_x, N keys): ``rolling`` mode pushes every key-encoder output
 (FIFO of the most recent N); ``epoch`` mode replaces the whole pool at each epoch start
-(``fill``). ``count`` (valid entries, host-side int) is saved with the state dict.
+(``fill``). ``count`` (valid entries, host-side int) is saved with the state dict, and so is
+``refresh``, the next slot that ``CMACC`` re-encodes with ``--pool-refresh`` (round robin).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class KeyPool(KeyQueue):
         super().__init__(size, dim)
         self.keys.zero_()
         self.count = 0  # valid entries: slots [0, count) until the pool is full
+        self.refresh = 0  # next slot to re-encode (pool refresh, round robin over the slots)
 
     @torch.no_grad()
     def push(self, keys: torch.Tensor, index: torch.Tensor) -> None:
@@ -66,8 +68,16 @@ class KeyPool(KeyQueue):
         """(keys [n, d], index [n]) of the valid entries."""
         return self.keys[: self.count], self.index[: self.count]
 
+    def next_refresh(self, m: int) -> torch.Tensor:
+        """The m slots to re-encode now [m] (host; wrapping over the valid entries), and the
+        pointer moved past them."""
+        slots = (self.refresh + torch.arange(m)) % self.count
+        self.refresh = (self.refresh + m) % self.count
+        return slots
+
     def get_extra_state(self):
-        return {"count": int(self.count)}
+        return {"count": int(self.count), "refresh": int(self.refresh)}
 
     def set_extra_state(self, state):
         self.count = int(state["count"])
+        self.refresh = int(state.get("refresh", 0))  # checkpoints from before pool refresh

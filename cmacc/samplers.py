@@ -4,6 +4,8 @@
     active          CM-ACC: k-means++ over last-layer gradient embeddings (kernels.select)
     active-feature  k-means++ over the raw candidate keys (paper Table 2)
     ohem            the M candidates with the highest pseudo-label CE loss (paper Table 3)
+    pool-random     M uniform picks from the same pool, enqueued with the pool's stored keys:
+                    a control, the pool's staleness without any selection
 
 Active samplers pick from the pool U_x minus the candidates whose clip is already in D_x. The
 pseudo-label space is the other modality's queries of the (global) batch. No host sync: if a
@@ -86,6 +88,10 @@ def select(
         ones = torch.ones(n, 1, device=pool_keys.device)
         idx = kernels.kmeanspp(pool_keys[:n], ones, m, seed=seed, exclude=exclude,
                                validate=False)
+    elif sampler == "pool-random":  # the top m of n i.i.d. uniform scores: a uniform m-subset
+        g = torch.Generator(device=pool_keys.device).manual_seed(seed)
+        u = torch.rand(n, generator=g, device=pool_keys.device)  # [n] in [0, 1)
+        idx = u.masked_fill(exclude, -1.0).topk(m).indices  # excluded never beat an eligible
     else:  # ohem: CE(p_n, yhat_n) = logsumexp_j s_nj - max_j s_nj
         s = pool_keys[:n].float() @ queries.float().t() / tau_p  # [n, M]
         ce = torch.logsumexp(s, 1) - s.max(1).values  # [n]

@@ -509,6 +509,9 @@ def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
                for k in s0)
     assert all(math.isnan(c) for c in h0["key_cos"]) and math.isnan(h0["key_cos_2nd_half"])
     assert len(h1["key_cos"]) == 4 and all(-1 <= c <= 1 for c in h1["key_cos"])
+    for k in mi.train.FRESHNESS:  # the selection's inputs and the fair pretext accuracy too
+        assert all(math.isnan(c) for c in h0[k]) and math.isnan(h0[f"{k}_2nd_half"])
+        assert len(h1[k]) == 4 and all(-1 <= c <= 1 for c in h1[k])
 
 
 def _last_enqueued(model, m):

@@ -29,6 +29,9 @@ FIELD_HELP = {  # MIConfig's fields that need more than their default
                    "samplers' picks are re-encoded by the current key encoders before they are "
                    "enqueued (Algorithm 1 enqueues the pool's keys, encoded when the pool was "
                    "drawn); ",
+    "pool_refresh": "R: batches of M pool pairs re-encoded per step by the current key "
+                    "encoders, round robin (no candidate older than pool_mult / R steps), so "
+                    "that the selection sees the current model; ",
 }
 
 

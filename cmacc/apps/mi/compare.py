@@ -34,7 +34,10 @@ SAME_DATA = ("alphabets", "relation", "n_train", "n_test", "n_probe")
 FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen drawings"),
            ("unique_per_m_2nd_half", "negatives unique/M, 2nd half"),
            ("coverage_2nd_half", "negatives coverage, 2nd half"),
-           ("key_cos_2nd_half", "enqueued keys' cosine to fresh keys, 2nd half"))
+           ("key_cos_2nd_half", "enqueued keys' cosine to fresh keys, 2nd half"),
+           ("pool_cos_2nd_half", "pool keys' cosine to fresh keys, 2nd half"),
+           ("acc_stored_2nd_half", "pretext accuracy, M stored entries, 2nd half"),
+           ("acc_fresh_2nd_half", "pretext accuracy, the entries re-encoded, 2nd half"))
 
 
 def load_side(spec: str) -> tuple[dict, str, str]:

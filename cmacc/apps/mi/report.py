@@ -184,9 +184,17 @@ def _diversity_lines(results, chars, methods) -> list[str]:
              "runs from before this was measured). Freshness: the mean cosine between the "
              "keys a step enqueued and the keys of the same pairs by the current key encoders, "
              "every 10th step (1 = encoded now; XMoCo's batch keys are, with other BN groups; "
-             "the active samplers enqueue the pool's keys, as old as the pool)."]
+             "the active samplers enqueue the pool's keys, as old as the pool). The same "
+             "measurement of the selection's inputs: the pool's stored keys of M random "
+             "entries against the current key encoders' (NaN: no pool). Pretext accuracy, "
+             "stored vs fresh: the step's queries against their positive and M random "
+             "dictionary entries as stored, and the same entries re-encoded now (what the "
+             "entries' age alone makes of the task)."]
     for key, name in (("unique_per_m", "unique/M"), ("coverage", "coverage"),
-                      ("key_cos", "freshness of the enqueued keys")):
+                      ("key_cos", "freshness of the enqueued keys"),
+                      ("pool_cos", "freshness of the selection's inputs (pool keys)"),
+                      ("acc_stored", "pretext accuracy against M stored dictionary entries"),
+                      ("acc_fresh", "pretext accuracy against the same entries re-encoded")):
         lines += ["", f"### {name}, second half of training", "",
                   "| " + " | ".join(["l", "random law", *methods,
                                      *(f"{a} − {b}" for a, b in pairs)]) + " |",

@@ -48,6 +48,20 @@ def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -
         d.append("fresh picks (--fresh-picks): the active samplers' picks are re-encoded by the "
                  "current key encoders before they are enqueued; Algorithm 1 enqueues the "
                  "pool's keys as encoded when the pool was drawn")
+    if cfg.pool_refresh:
+        d.append(f"pool refresh (--pool-refresh {cfg.pool_refresh}): {cfg.pool_refresh} batches "
+                 "of the pool's pairs re-encoded per step by the current key encoders, round "
+                 f"robin, so no candidate is older than {cfg.pool_mult / cfg.pool_refresh:g} "
+                 "steps; Algorithm 1's pool keys are as old as the pool")
+    d.append("the dictionaries start as K random unit vectors (no pair behind them), replaced "
+             "as the first K / M steps enqueue; Algorithm 1 (lines 3-4) starts them with K "
+             "encoded samples")
+    tau = 1 / (1 - cfg.momentum)
+    d.append(f"momentum m = {cfg.momentum}: the key encoders' time constant 1 / (1 - m) = "
+             f"{tau:g} steps; an epoch of {n_train // cfg.batch} steps is "
+             f"{n_train // cfg.batch / tau:.2f} time constants, the age of an epoch pool's "
+             "keys at the epoch's end without pool refresh (paper: m = 0.999 and 50,000 pairs "
+             "at M = 128, 0.39)")
     for name, paper in PAPER_CONFIG.items():
         if getattr(cfg, name) != paper:
             d.append(f"{name} = {getattr(cfg, name)} (paper: {paper}){DEPARTURE_WHY.get(name, '')}")

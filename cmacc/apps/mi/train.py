@@ -22,7 +22,8 @@ METHODS = {"SMoCo": ("smoco", "random"),  # the curve: (objective, sampler)
            "XMoCo": ("cross", "random"),
            "CM-ACC": ("cross", "active")}
 SAMPLERS = {"CM-ACC-feature": ("cross", "active-feature"),  # the samplers the paper compares
-            "OHEM": ("cross", "ohem")}  # (Tables 2, 3), beside XMoCo's random and CM-ACC's
+            "OHEM": ("cross", "ohem"),  # (Tables 2, 3), beside XMoCo's random and CM-ACC's;
+            "pool-random": ("cross", "pool-random")}  # the control: the pool's keys, no selection
 ALL_METHODS = {**METHODS, **SAMPLERS}
 
 
@@ -67,8 +68,13 @@ class MIConfig:
     fresh_picks: bool = False  # re-encode the picked candidates by the current key encoders
     # before they are enqueued (a departure: Algorithm 1 enqueues the pool's keys, encoded when
     # the pool was drawn); what the pool's staleness costs, measured
+    pool_refresh: int = 0  # R: batches of M pool pairs re-encoded per step by the current key
+    # encoders, round robin, so no candidate is older than pool_mult / R steps (the selection
+    # then sees the current model)
 
     def __post_init__(self):
+        if self.pool_refresh < 0:
+            raise ValueError(f"pool_refresh must be >= 0, got {self.pool_refresh}")
         for name in ("batch", "dict_mult", "pool_mult", "dim", "width", "max_steps", "window",
                      "patience", "bn_groups"):
             if getattr(self, name) < 1:
@@ -129,7 +135,7 @@ def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
                        dim=cfg.dim, fcl=cfg.fcl, fcl_dim=cfg.fcl_dim, momentum=cfg.momentum,
                        tau=cfg.tau, seed=seed)
     sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch,
-                          pool_mode=cfg.pool_mode)
+                          pool_mode=cfg.pool_mode, pool_refresh=cfg.pool_refresh)
     backbones = (SmallCNN(cfg.width, cfg.bn_groups), SmallCNN(cfg.width, cfg.bn_groups))
     cls = ShuffledKeysCMACC if cfg.bn_groups > 1 else CMACC
     model = cls(mcfg, sel, backbones=backbones)
@@ -190,6 +196,73 @@ def enqueued_key_cosine(model: CMACC, pairs: MultiOmniglotPairs, m: int) -> floa
     return statistics.fmean(cos)
 
 
+def _mean(values) -> float:
+    """The mean of the finite values; NaN if there is none."""
+    values = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(values) if values else math.nan
+
+
+def _key_buffers(model: CMACC) -> list[torch.Tensor]:
+    return [b for enc in (model.f_v, model.f_a, model.h_v, model.h_a) for b in enc.buffers()]
+
+
+def _sample(valid: torch.Tensor, m: int, g: torch.Generator) -> torch.Tensor:
+    """Up to m of the positions where ``valid`` holds, uniformly without replacement."""
+    where = valid.nonzero().flatten()
+    return where[torch.randperm(where.numel(), generator=g)[:m]]
+
+
+@torch.no_grad()
+def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step: int) -> dict:
+    """What the selection and the pretext task see, measured against the current encoders
+    (a measurement only: the random state and every encoder's BN buffers are restored).
+
+    pool_cos   the mean cosine between M random pool entries' stored keys (the selection's
+               inputs) and the current key encoders' keys of the same pairs; NaN for a
+               sampler that does not select, or an empty pool
+    acc_stored the pretext accuracy of this batch's queries (current query encoders) against
+               their positive (current key encoders) and M random dictionary entries as
+               stored (entries of a real pair only)
+    acc_fresh  the same queries, positives and entries, the entries re-encoded now: the
+               difference to acc_stored is what the entries' age alone makes of the task"""
+    m = batch.numel()
+    saved = [b.clone() for b in _key_buffers(model)]
+    g = torch.Generator().manual_seed(step)
+    out = {"pool_cos": math.nan}
+    with torch.random.fork_rng(devices=[]):
+        if model.sel.sampler != "random" and model.pool_v.count:
+            cos = []
+            for pool, which in ((model.pool_v, "video"), (model.pool_a, "audio")):
+                at = _sample(torch.arange(pool.size) < pool.count, m, g)
+                fresh = encode_pairs(model, pairs, pool.index[at], which)
+                cos.append(float((pool.keys[at].float() * fresh.float()).sum(1).mean()))
+            out["pool_cos"] = statistics.fmean(cos)
+        x, y = pairs.batch(batch)
+        q = {"video": model.f_v(x)[0].float(), "audio": model.f_a(y)[0].float()}
+        pos = {"video": model.encode_keys(model.h_v, x).float(),
+               "audio": model.encode_keys(model.h_a, y).float()}
+        acc = {"stored": [], "fresh": []}
+        for dictionary, which, other in ((model.dict_a, "audio", "video"),
+                                         (model.dict_v, "video", "audio")):
+            at = _sample(dictionary.index >= 0, m, g)  # D_which's negatives of q_other
+            if not at.numel():
+                continue
+            negs = {"stored": dictionary.keys[at].float(),
+                    "fresh": encode_pairs(model, pairs, dictionary.index[at], which).float()}
+            l_pos = (q[other] * pos[which]).sum(1, keepdim=True)  # [M, 1]
+            for k, neg in negs.items():
+                logits = torch.cat([l_pos, q[other] @ neg.t()], 1)  # [M, 1 + m']
+                acc[k].append(float((logits.argmax(1) == 0).float().mean()))
+        for k, v in acc.items():
+            out[f"acc_{k}"] = statistics.fmean(v) if v else math.nan
+    for b, s in zip(_key_buffers(model), saved):
+        b.copy_(s)
+    return out
+
+
+FRESHNESS = ("pool_cos", "acc_stored", "acc_fresh")
+
+
 def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[str, float]:
     """Diversity of the negatives one step enqueued (``index``: their pair indices), by the
     pairs' real characters, position by position: U_i = distinct characters at position i among
@@ -243,13 +316,17 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     n = len(train)
     perm, pos = torch.randperm(n, generator=g), 0
     epoch_pools = selects(method) and cfg.pool_mode == "epoch"
-    hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "key_cos": [], "steps": 0,
+    if cfg.pool_refresh and selects(method):
+        model.fetch = lambda index: train.batch(index.cpu())
+    hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "key_cos": [],
+            **{k: [] for k in FRESHNESS}, "steps": 0,
             "stop": "max_steps",
             **({"pool_draws": [], "pool_seconds": 0.0, "pool_cpu_seconds": 0.0}
                if epoch_pools else {})}
     acc_sum = loss_sum = 0.0
     div = {k: [] for k in DIVERSITY}  # per step
     key_cos = []  # (step, enqueued_key_cosine) every KEY_COS_EVERY steps
+    fresh = []  # (step, freshness(...)) every KEY_COS_EVERY steps
     t0, c0 = time.perf_counter(), time.process_time()
     for step in range(cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
@@ -280,6 +357,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
             div[k].append((enq[0][k] + enq[1][k]) / 2)
         if method != "SMoCo" and (step + 1) % KEY_COS_EVERY == 0:
             key_cos.append((step, enqueued_key_cosine(model, train, cfg.batch)))
+            fresh.append((step, freshness(model, train, idx, step)))
         if (step + 1) % cfg.window == 0:
             hist["acc"].append(acc_sum / cfg.window)
             hist["loss"].append(loss_sum / cfg.window)
@@ -287,6 +365,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
                 hist[k].append(statistics.fmean(div[k][-cfg.window:]))
             window = [c for s, c in key_cos if s > step - cfg.window]
             hist["key_cos"].append(statistics.fmean(window) if window else math.nan)
+            for k in FRESHNESS:
+                hist[k].append(_mean([f[k] for s, f in fresh if s > step - cfg.window]))
             acc_sum = loss_sum = 0.0
             if log:
                 log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
@@ -302,6 +382,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         hist[f"{k}_2nd_half"] = statistics.fmean(div[k][hist["steps"] // 2:])
     late = [c for s, c in key_cos if s >= hist["steps"] // 2]
     hist["key_cos_2nd_half"] = statistics.fmean(late) if late else math.nan
+    for k in FRESHNESS:
+        hist[f"{k}_2nd_half"] = _mean([f[k] for s, f in fresh if s >= hist["steps"] // 2])
     hist["seconds"] = time.perf_counter() - t0
     hist["cpu_seconds"] = time.process_time() - c0
     return model, hist
