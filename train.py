@@ -9,6 +9,7 @@ Ablations are flags (paper Tables 1-3):
     --sampler active-feature        feature space    --sampler ohem            OHEM
     --objective smoco               unimodal SMoCo   --no-fcl                  w/o fcl
     --grad-view queries             BADGE's view     --pool-mode epoch         paper's pools
+    --sampler pool-random           control: the pool's keys, uniform picks (no selection)
 
 One GPU / one node with 8 GPUs / several nodes (same flags on every node):
     python train.py --preset paper --data DATA/manifest.csv --device cuda --out runs/x
@@ -71,6 +72,10 @@ FLAGS = {
         ("--grad-view", "selection.grad_view", dict(choices=GRAD_VIEWS, help="last-layer gradient view (default head)")),
         ("--pool-mode", "selection.pool_mode", dict(choices=POOL_MODES, help="rolling (default, free) or epoch (paper)")),
         ("--pool-size", "selection.pool_size", dict(type=int, help="candidate pool size N (paper 300*M)")),
+        ("--pool-refresh", "selection.pool_refresh", dict(type=int, metavar="R", help=(
+            "re-encode R batches of the pool per step by the current key encoders, round robin, "
+            "so that no candidate is older than N / (R*M) steps (default 0: Algorithm 1, pool "
+            "keys as old as the pool); costs R key-encoder batches a step, decoded on the host"))),
         ("--tau-p", "selection.tau_p", dict(type=float, help="pseudo-posterior temperature")),
         ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding")),
         ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (bf16 halves k-means++ bytes)")),

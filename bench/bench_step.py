@@ -9,6 +9,8 @@ backward, optimiser update) with the model's own section timer (cmacc/metrics.py
                   factors + k-means++, or the feature / OHEM samplers), in total ...
     visible       ... and the part the step waited for (on a GPU the selection can run beside
                   the key encoders on a side stream, --overlap; on a CPU all of it is visible)
+    reencode      --pool-refresh R: R batches of the pool re-encoded by the key encoders
+                  (the clips read again, then encoded; rows "active R=..." beside R = 0)
     fwd+bwd       the rest of the step: forward, backward, update, momentum, keys, enqueue
     step          the whole step, data included
 
@@ -40,6 +42,7 @@ the same rows run with CUDA events (``make gpu-check`` runs them).
     python bench/bench_step.py                                  # every row, CPU
     python bench/bench_step.py --rows mi --chars 3 --pool-mults 300 --steps 20
     python bench/bench_step.py --rows tiny paper --out bench/results
+    python bench/bench_step.py --rows mi --chars 3 --pool-mults 300 --pool-refresh 0 1 4
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ from bench.common import env_info  # noqa: E402
 from cmacc import metrics  # noqa: E402
 
 ROWS = ("mi", "tiny", "paper")
-SECTIONS = ("data", "select", "visible", "fwd_bwd", "step")
+SECTIONS = ("data", "select", "visible", "reencode", "fwd_bwd", "step")
 
 
 @dataclasses.dataclass
@@ -77,6 +80,7 @@ class Setting:
     pool: str  # how the pool was filled: encode | random
     n_pool: int
     m: int
+    refresh: int = 0  # --pool-refresh R
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,16 +95,17 @@ def glyph_root(omniglot: str | None, tmp: Path) -> Path:
 
 
 def mi_setting(sampler: str, l: int, pool_mult: int, glyphs, seed=0, device="cpu",
-               fill=True, **sizes) -> Setting:
+               fill=True, refresh=0, **sizes) -> Setting:
     """``sizes``: MIConfig fields to change (e.g. batch, width) beside the pool."""
     from cmacc.apps.mi.data import TRAIN_DRAWERS, MultiOmniglotPairs
     from cmacc.apps.mi.train import MIConfig, build_model
 
-    cfg = MIConfig(pool_mult=pool_mult, **sizes)
+    cfg = MIConfig(pool_mult=pool_mult, pool_refresh=refresh, **sizes)
     method = {"random": "XMoCo", "active": "CM-ACC"}[sampler]
     model = build_model(method, cfg, seed).to(device)
     opt = torch.optim.Adam(model.query_parameters(), lr=cfg.lr)
     pairs = MultiOmniglotPairs(glyphs, l, 50_000, seed=1000 * l, drawers=range(TRAIN_DRAWERS))
+    model.fetch = lambda index: tuple(t.to(device) for t in pairs.batch(index.cpu()))
     g = torch.Generator().manual_seed(seed)
 
     def next_batch():
@@ -111,13 +116,14 @@ def mi_setting(sampler: str, l: int, pool_mult: int, glyphs, seed=0, device="cpu
     n = cfg.pool_mult * cfg.batch
     if fill:
         _fill_by_encoding(model, next_batch, n, device)
-    return Setting(f"MI l={l} N={pool_mult}M", sampler, model, opt, next_batch, "encode", n, cfg.batch)
+    return Setting(f"MI l={l} N={pool_mult}M", sampler, model, opt, next_batch, "encode", n,
+                   cfg.batch, refresh)
 
 
 def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="cpu",
-                  fill=True) -> Setting:
+                  fill=True, refresh=0) -> Setting:
     from cmacc.config import PRESETS
-    from cmacc.data import train_loader
+    from cmacc.data import clip_fetcher, train_loader
     from cmacc.model import CMACC
 
     cfg = PRESETS[preset]
@@ -127,7 +133,7 @@ def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="
                                         dict_size=model_cfg.dict_size // model_cfg.batch_size * batch)
         sel_cfg = dataclasses.replace(sel_cfg, pool_size=sel_cfg.pool_size // cfg.model.batch_size
                                       * batch)
-    sel_cfg = dataclasses.replace(sel_cfg, sampler=sampler)
+    sel_cfg = dataclasses.replace(sel_cfg, sampler=sampler, pool_refresh=refresh)
     model_cfg = dataclasses.replace(model_cfg, seed=seed)
     torch.manual_seed(seed)
     model = CMACC(model_cfg, sel_cfg).to(device)
@@ -137,6 +143,7 @@ def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="
     dcfg = dataclasses.replace(cfg.data, source="synthetic",
                                clips=max(cfg.data.clips, 4 * model_cfg.batch_size))
     loader = train_loader(dcfg, batch_size=model_cfg.batch_size, seed=seed)
+    model.fetch = clip_fetcher(loader, device)
     batches = iter(())
 
     def next_batch():
@@ -150,12 +157,14 @@ def video_setting(sampler: str, preset: str, batch: int | None, seed=0, device="
 
     n = sel_cfg.pool_size
     how = "random" if preset == "paper" else "encode"
+    if refresh and how == "random":
+        raise ValueError("pool refresh re-encodes real clips: not with a random-key pool")
     if fill and how == "random":
         _fill_random(model, n)
     elif fill:
         _fill_by_encoding(model, next_batch, n, device)
     name = f"video {preset}" + (f" M={model_cfg.batch_size}" if batch else "")
-    return Setting(name, sampler, model, opt, next_batch, how, n, model_cfg.batch_size)
+    return Setting(name, sampler, model, opt, next_batch, how, n, model_cfg.batch_size, refresh)
 
 
 @torch.no_grad()
@@ -218,38 +227,43 @@ def time_steps(s: Setting, steps: int, warmup: int, device: str = "cpu") -> dict
         per["data"].append(secs["data"])
         per["select"].append(secs.get("select", 0.0))
         per["visible"].append(visible)
-        per["fwd_bwd"].append(secs["step"] - visible)
+        per["reencode"].append(secs.get("refresh", 0.0))
+        per["fwd_bwd"].append(secs["step"] - visible - per["reencode"][-1])
         per["step"].append(wall)
     out = {k: 1e3 * statistics.fmean(v) for k, v in per.items()}
     out["active_steps"] = sum(active) / len(active)
     return out
 
 
-def settings_pair(make):
-    """The random setting, then the active one (built when the first is done with: one model
-    in memory at a time), started from the random one's state before its timed steps: the same
-    weights, BN statistics, dictionaries and filled pools. ``make(sampler, fill)``."""
-    first = make("random", True)
+def settings_pair(make, refreshes=(0,)):
+    """The random setting, then the active one for each pool refresh R (each built when the
+    one before is done with: one model in memory at a time), started from the random one's
+    state before its timed steps: the same weights, BN statistics, dictionaries and filled
+    pools. ``make(sampler, fill, refresh)``."""
+    first = make("random", True, 0)
     state = copy.deepcopy(first.model.state_dict())  # tensors and the pools' fill counts
     yield first
     del first
-    second = make("active", False)
-    second.model.load_state_dict(state)
-    yield second
+    for r in refreshes:
+        second = make("active", False, r)
+        second.model.load_state_dict(state)
+        yield second
+        del second
 
 
 def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, omniglot=None,
-        paper_batch=4, paper_steps=3, device="cpu", log=print) -> list[dict]:
+        paper_batch=4, paper_steps=3, device="cpu", refreshes=(0,), log=print) -> list[dict]:
     """One dict per setting and sampler: the setting, sampler, pool, the SECTIONS in ms, and
     on the active row ``ratio`` = its step over the random one's."""
     out = []
 
-    def both(make, n_steps):
+    def both(make, n_steps, refreshes=refreshes):
         pair = {}
-        for s in settings_pair(make):
+        for s in settings_pair(make, refreshes):
             t = time_steps(s, n_steps, warmup, device)
             pair[s.sampler] = t
-            row = dict(setting=s.name, sampler=s.sampler, M=s.m, N=s.n_pool, pool=s.pool, **t)
+            row = dict(setting=s.name, sampler=s.sampler, M=s.m, N=s.n_pool, pool=s.pool,
+                       refresh=s.refresh, **t)
             if s.sampler == "active":  # the whole steps' ratio, and the selection's own share
                 row["ratio"] = t["step"] / pair["random"]["step"]
                 row["added"] = 1 + t["visible"] / pair["random"]["step"]
@@ -263,34 +277,40 @@ def run(rows=ROWS, chars=(1, 3, 8), pool_mults=(60, 300), steps=10, warmup=2, om
             glyphs = Glyphs(glyph_root(omniglot, Path(tmp)))
             for l in chars:
                 for pm in pool_mults:
-                    both(lambda smp, fill: mi_setting(smp, l, pm, glyphs, device=device,
-                                                      fill=fill), steps)
+                    both(lambda smp, fill, r: mi_setting(smp, l, pm, glyphs, device=device,
+                                                         fill=fill, refresh=r), steps)
         if "tiny" in rows:
-            both(lambda smp, fill: video_setting(smp, "tiny", None, device=device, fill=fill),
-                 steps)
-        if "paper" in rows:
-            both(lambda smp, fill: video_setting(smp, "paper", paper_batch, device=device,
-                                                 fill=fill), paper_steps)
+            both(lambda smp, fill, r: video_setting(smp, "tiny", None, device=device, fill=fill,
+                                                    refresh=r), steps)
+        if "paper" in rows:  # a pool of random keys: nothing to re-encode
+            both(lambda smp, fill, r: video_setting(smp, "paper", paper_batch, device=device,
+                                                    fill=fill), paper_steps, (0,))
     return out
+
+
+def _sampler(r) -> str:
+    return r["sampler"] + (f" R={r['refresh']}" if r.get("refresh") else "")
 
 
 def _line(r) -> str:
     ratio = f"  active/random {r['ratio']:.2f}x" if "ratio" in r else ""
-    return (f"{r['setting']:>22} {r['sampler']:>6}: step {r['step']:8.1f} ms = data "
+    return (f"{r['setting']:>22} {_sampler(r):>10}: step {r['step']:8.1f} ms = data "
             f"{r['data']:6.1f} + fwd+bwd {r['fwd_bwd']:8.1f} + selection visible "
-            f"{r['visible']:7.1f} (total {r['select']:7.1f}){ratio}")
+            f"{r['visible']:7.1f} (total {r['select']:7.1f}) + pool refresh "
+            f"{r['reencode']:7.1f}{ratio}")
 
 
 def markdown(rows) -> str:
     lines = ["| setting | M | N | pool | sampler | step ms | data | fwd+bwd | selection "
-             "(visible / total) | active / random | 1 + visible / random |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(visible / total) | pool refresh | active / random | 1 + visible / random |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"**{r['ratio']:.2f}x**" if "ratio" in r else ""
         added = f"{r['added']:.2f}x" if "added" in r else ""
-        lines.append(f"| {r['setting']} | {r['M']} | {r['N']:,} | {r['pool']} | {r['sampler']} | "
+        lines.append(f"| {r['setting']} | {r['M']} | {r['N']:,} | {r['pool']} | {_sampler(r)} | "
                      f"{r['step']:.1f} | {r['data']:.1f} | {r['fwd_bwd']:.1f} | "
-                     f"{r['visible']:.1f} / {r['select']:.1f} | {ratio} | {added} |")
+                     f"{r['visible']:.1f} / {r['select']:.1f} | {r['reencode']:.1f} | {ratio} | "
+                     f"{added} |")
     return "\n".join(lines)
 
 
@@ -312,7 +332,12 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--omniglot", metavar="ROOT",
                    help="MI rows: Omniglot in torchvision's layout (default: generated glyphs)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
+    p.add_argument("--pool-refresh", type=int, nargs="+", default=[0], metavar="R",
+                   help="an active row per R (train.py --pool-refresh; 0: none), e.g. 0 1 4 "
+                        "(default 0; the mi and tiny rows: the paper row's pool is random keys)")
     args = p.parse_args(argv)
+    if min(args.pool_refresh) < 0:
+        p.error("--pool-refresh: each R >= 0")
     if min(args.steps, args.paper_steps) < 1 or args.warmup < 0 or args.paper_batch < 1:
         p.error("need --steps, --paper-steps, --paper-batch >= 1 and --warmup >= 0")
     if min(args.chars) < 1 or max(args.chars) > 8:
@@ -325,7 +350,7 @@ def main(argv=None) -> list[dict]:
     print(f"device: {info['device']}, torch {info['torch']} ({torch.get_num_threads()} threads), "
           f"{info['date']}, commit {info['commit']}")
     rows = run(args.rows, args.chars, args.pool_mults, args.steps, args.warmup, args.omniglot,
-               args.paper_batch, args.paper_steps, args.device)
+               args.paper_batch, args.paper_steps, args.device, tuple(args.pool_refresh))
     print(markdown(rows))
     return rows
 

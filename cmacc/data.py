@@ -50,6 +50,35 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 
 
+def clip_fetcher(loader, device):
+    """(dataset index [m]) → (video, audio) of those clips on ``device``: what the pool refresh
+    (``--pool-refresh``) re-encodes. The in-memory clips as they are; a manifest's clips through
+    the PyAV reference dataset in this process, each with the augmentation law's draw of the
+    loader's current epoch (DALI's too: one law), damaged clips replaced and recorded as in
+    training. The decode runs on the host, in line with the step: its cost is the refresh's."""
+    if isinstance(loader, ToyLoader):
+        def fetch(index):
+            batch = loader.data.batch(index.cpu())
+            return batch["video"].to(device), batch["audio"].to(device)
+        return fetch
+    from data_dali.reference import ClipDataset
+
+    ds = ClipDataset(loader.m, loader.index, clip_frames=loader.t, crop=loader.s,
+                     train=loader.train, seed=loader.seed, need_audio=loader.need_audio,
+                     need_video=loader.need_video, dtype=loader.dtype,
+                     temporal_jitter=loader.jitter, bad=loader.bad)
+    pos = {i: k for k, i in enumerate(loader.index)}
+
+    def fetch(index):
+        items = [ds[(pos[i], loader.epoch)] for i in index.tolist()]
+        for item in items:
+            for i, reason in item.pop("bad", []):
+                loader.bad.record(i, reason)
+        batch = torch.utils.data.default_collate(items)
+        return batch["video"].to(device), batch["audio"].to(device)
+    return fetch
+
+
 class SyntheticSplits:
     """Held-out instances of the synthetic clips: one split ("1"), 1/4 of each class's
     instances for testing (never in the probe's training set; ``held_out``)."""

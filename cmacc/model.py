@@ -218,6 +218,7 @@ class CMACC(nn.Module):
                              "CMACC.fetch (index → video, audio)")
         n, m = self.pool_v.count, self.cfg.batch_size
         world, rank = du.world_size(), du.rank()
+        t0 = self.timer.start() if self.timer else None
         for _ in range(min(self.sel.pool_refresh, n // m)):
             slots = self.pool_v.next_refresh(m)  # [M] host
             self.pool_a.refresh = self.pool_v.refresh
@@ -228,6 +229,8 @@ class CMACC(nn.Module):
             at = slots.to(self.pool_v.keys.device)
             self.pool_v.keys.index_copy_(0, at, du.gather_cat(k_v).to(self.pool_v.keys.dtype))
             self.pool_a.keys.index_copy_(0, at, du.gather_cat(k_a).to(self.pool_a.keys.dtype))
+        if self.timer:
+            self.timer.stop("refresh", t0)
 
     def _select(self, pool, dictionary, queries, feats, m, step, which):
         # the pool's capacity buffers and valid count: one GPU graph for every fill level

@@ -50,7 +50,7 @@ from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
 from .config import Config, config_hash
-from .data import train_loader
+from .data import clip_fetcher, train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
@@ -320,6 +320,8 @@ class Trainer:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
         model.shuffle_bn = cfg.run.shuffle_bn
+        if cfg.selection.pool_refresh:
+            model.fetch = clip_fetcher(self.loader, self.device)
         if cfg.optim.channels_last:
             model.f_v.to(memory_format=torch.channels_last_3d)
             model.h_v.to(memory_format=torch.channels_last_3d)

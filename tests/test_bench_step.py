@@ -26,11 +26,13 @@ def test_active_selects_in_every_timed_step_and_the_split_adds_up(glyphs):
         assert (t["select"] > 0) == bool(selecting) and t["visible"] <= t["select"]
         # the step's wall time holds the timed sections (the rest is the loop's own overhead)
         assert t["data"] + t["fwd_bwd"] + t["visible"] <= t["step"] * 1.01
+        assert t["reencode"] == 0.0  # no pool refresh asked for
 
 
 def test_both_samplers_start_from_the_same_weights_and_pools(glyphs):
     random_s, active_s = settings_pair(
-        lambda smp, fill: mi_setting(smp, 1, 40, glyphs, batch=16, width=4, dim=16, fill=fill))
+        lambda smp, fill, r: mi_setting(smp, 1, 40, glyphs, batch=16, width=4, dim=16, fill=fill,
+                                        refresh=r))
     assert (random_s.sampler, active_s.sampler) == ("random", "active")
     want, got = random_s.model.state_dict(), active_s.model.state_dict()
     assert want.keys() == got.keys()
@@ -40,8 +42,14 @@ def test_both_samplers_start_from_the_same_weights_and_pools(glyphs):
 
 
 def test_the_tiny_rows():
-    rows = run(rows=("tiny",), steps=1, warmup=0, log=lambda line: None)
-    assert [r["sampler"] for r in rows] == ["random", "active"]
+    rows = run(rows=("tiny",), steps=1, warmup=0, refreshes=(0, 2), log=lambda line: None)
+    assert [(r["sampler"], r["refresh"]) for r in rows] == [("random", 0), ("active", 0),
+                                                            ("active", 2)]
+    # the pool refresh row: its re-encoding timed apart, and the step still adds up
+    assert rows[1]["reencode"] == 0.0 < rows[2]["reencode"] and rows[2]["active_steps"] == 1.0
+    assert (rows[2]["data"] + rows[2]["fwd_bwd"] + rows[2]["visible"] + rows[2]["reencode"]
+            <= rows[2]["step"] * 1.01)
+    rows = rows[:2]
     assert rows[1]["active_steps"] == 1.0 and rows[0]["active_steps"] == 0.0
     assert rows[1]["ratio"] == pytest.approx(rows[1]["step"] / rows[0]["step"])
     assert rows[1]["added"] == pytest.approx(1 + rows[1]["visible"] / rows[0]["step"])

@@ -167,7 +167,7 @@ def _pool(n=40, m=5, d=6, dh=9, seed=0):
     return keys, index, queries, feats
 
 
-@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem", "pool-random"])
 def test_samplers_exclude_clips_already_in_the_dictionary(sampler):
     keys, index, queries, feats = _pool()
     dict_index = torch.cat([index[::2], torch.tensor([-1, -1])])  # half the pool is in D
@@ -202,6 +202,28 @@ def test_ohem_picks_the_highest_pseudo_label_losses():
     assert sorted(sel.index.tolist()) == sorted(index[want].tolist())
 
 
+def test_pool_random_picks_a_uniform_subset_of_the_pool_outside_the_dictionary():
+    """pool-random: M distinct picks of the pool minus the dictionary, every eligible candidate
+    equally likely (chi-square against the uniform law over 3,000 seeds), the dictionary's
+    clips never picked, the pool's stored keys enqueued as they are."""
+    from scipy.stats import chisquare
+
+    keys, index, queries, feats = _pool(n=40)
+    dict_index = torch.cat([index[:12], torch.tensor([-1])])  # 28 eligible
+    counts = torch.zeros(40)
+    for seed in range(3000):
+        sel = select("pool-random", pool_keys=keys, pool_index=index, dict_index=dict_index,
+                     queries=queries, feats=feats, m=5, seed=seed)
+        at = (index[None] == sel.index[:, None]).float().argmax(1)  # pool rows of the picks
+        assert len(set(at.tolist())) == 5 and torch.equal(sel.keys, keys[at])
+        counts[at] += 1
+    assert counts[:12].sum() == 0  # exclusions exact
+    assert chisquare(counts[12:].numpy()).pvalue > 1e-3  # 3,000 * 5 / 28 ~ 536 per candidate
+    again = select("pool-random", pool_keys=keys, pool_index=index, dict_index=dict_index,
+                   queries=queries, feats=feats, m=5, seed=2999)
+    assert torch.equal(again.index, sel.index)  # a function of the seed (same on every rank)
+
+
 class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the input dtypes of every matrix product that runs inside the block."""
 
@@ -219,7 +241,7 @@ class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem", "pool-random"])
 @pytest.mark.parametrize("view", ["head", "queries"])
 def test_selection_computes_in_fp32_under_the_training_autocast(sampler, view):
     """The trainer runs the model's forward (and so the selection) under bf16/fp16 autocast;
@@ -260,6 +282,106 @@ def test_active_model_enqueues_selected_pool_keys_before_the_loss():
             assert stats["fallback"].item() == 0.0
             n_active += 1
     assert model.pool_v.count == 30 and n_active == 4  # warm-up: 4 steps fill 14 >= K + M
+
+
+class _Clips:
+    """Clips by dataset index (tiny_batch's shapes), as CMACC.fetch reads them; records what
+    was fetched."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(7)
+        self.video = torch.randn(1000, 3, 4, 16, 16, generator=g)
+        self.audio = torch.randn(1000, 80, 20, generator=g)
+        self.fetched = []
+
+    def __call__(self, index):
+        self.fetched.append(index.clone())
+        return self.video[index], self.audio[index]
+
+
+@pytest.mark.parametrize("sampler", ["active", "pool-random"])
+def test_pool_refresh_re_encodes_round_robin_by_the_current_key_encoders(sampler):
+    """--pool-refresh R: before each selection R batches of pool slots, in slot order wrapping
+    around, are encoded again by the key encoders as they are at that step (checked by running
+    them directly on the same clips, BN over the same batch), so no key is older than
+    N / (R M) steps; the other slots keep their keys. (An epoch pool: nothing else writes it.)"""
+    clips = _Clips()
+    model = CMACC(*tiny_cfg(sampler=sampler, pool_size=30, pool_mode="epoch", pool_refresh=2))
+    model.fetch = clips
+    g = torch.Generator().manual_seed(1)
+    pool_index = torch.randperm(1000, generator=g)[:30]
+    model.pool_v.fill(F.normalize(torch.randn(30, 8, generator=g), dim=1), pool_index)
+    model.pool_a.fill(F.normalize(torch.randn(30, 8, generator=g), dim=1), pool_index)
+    for step in range(5):  # 5 steps of 8 slots wrap around the 30
+        _, _, idx = tiny_batch(seed=step)
+        slots = [(8 * step + i) % 30 for i in range(8)]
+        before_v, before_a = model.pool_v.keys.clone(), model.pool_a.keys.clone()
+        ref_model = CMACC(*tiny_cfg(sampler=sampler, pool_size=30, pool_mode="epoch"))
+        ref_model.load_state_dict(model.state_dict())
+        ref_model._momentum_update_key_encoders()  # the step's first act
+        model(clips.video[idx], clips.audio[idx], idx, step=step)
+        assert model.pool_v.refresh == model.pool_a.refresh == (8 * step + 8) % 30
+        for k in range(2):  # two batches of M = 4 slots
+            s_k = slots[4 * k:4 * k + 4]
+            assert torch.equal(clips.fetched[-2 + k], pool_index[s_k])
+            with torch.no_grad():
+                want_v = ref_model.h_v(clips.video[pool_index[s_k]])[0]
+                want_a = ref_model.h_a(clips.audio[pool_index[s_k]])[0]
+            torch.testing.assert_close(model.pool_v.keys[s_k], want_v)
+            torch.testing.assert_close(model.pool_a.keys[s_k], want_a)
+        rest = sorted(set(range(30)) - set(slots))
+        assert torch.equal(model.pool_v.keys[rest], before_v[rest])
+        assert torch.equal(model.pool_a.keys[rest], before_a[rest])
+        assert torch.equal(model.pool_v.index, pool_index)
+
+
+def test_pool_refresh_waits_for_the_selection_and_needs_the_clips():
+    """No refresh while the pool warms up (nothing selects yet); a model asked to refresh
+    without a way to read the pool's clips says so."""
+    clips = _Clips()
+    model = CMACC(*tiny_cfg(sampler="active", pool_size=30, pool_refresh=1))
+    model.fetch = clips
+    for step in range(4):  # the rolling pool holds 4, 8, 12, 16 >= K + M = 14 after these
+        _, _, idx = tiny_batch(seed=step)
+        _, stats = model(clips.video[idx], clips.audio[idx], idx, step=step)
+        assert not stats["active"] and not clips.fetched
+    model.fetch = None
+    _, _, idx = tiny_batch(seed=4)
+    with pytest.raises(ValueError, match="CMACC.fetch"):
+        model(clips.video[idx], clips.audio[idx], idx, step=4)
+
+
+def test_pool_refresh_resumes_where_it_stopped():
+    """The round-robin pointer is part of the pool's state: a model restored from a state dict
+    mid-run re-encodes the same slots and trains to the same weights as one that never
+    stopped."""
+    clips = _Clips()
+
+    def run(model, steps):
+        model.fetch = clips
+        for step in steps:
+            idx = torch.arange(4) + 40 * step  # 12 steps: clips 0..443
+            loss, _ = model(clips.video[idx], clips.audio[idx], idx, step=step)
+            loss.backward()
+            with torch.no_grad():
+                for p in model.query_parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+
+    torch.manual_seed(0)
+    whole = CMACC(*tiny_cfg(sampler="active", pool_size=30, pool_refresh=3))
+    torch.manual_seed(0)
+    first = CMACC(*tiny_cfg(sampler="active", pool_size=30, pool_refresh=3))
+    run(whole, range(12))
+    run(first, range(7))
+    state = first.state_dict()
+    assert state["pool_v._extra_state"]["refresh"] == first.pool_v.refresh != 0
+    second = CMACC(*tiny_cfg(sampler="active", pool_size=30, pool_refresh=3))
+    second.load_state_dict(state)
+    run(second, range(7, 12))
+    for k, v in whole.state_dict().items():
+        if torch.is_tensor(v):
+            assert torch.equal(v, second.state_dict()[k]), k
 
 
 def test_smoco_needs_second_view_and_runs():
@@ -387,7 +509,7 @@ def test_the_dictionary_exclusion_equals_isin_without_a_data_dependent_op(trial)
     assert not in_sorted(pool, torch.empty(0, dtype=torch.long)).any()
 
 
-@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem"])
+@pytest.mark.parametrize("sampler", ["active", "active-feature", "ohem", "pool-random"])
 def test_a_selection_step_has_no_data_dependent_op(sampler):
     """The whole sampler call (exclusion, selection, gathers, gradient norms) runs without an op
     whose output size depends on the data: on CUDA none of them waits for the device, so the
