@@ -41,9 +41,10 @@ def extract_features(backbone: nn.Module, batches, key: str, device, clips: int 
 
 
 def linear_probe(x_train, y_train, x_test, y_test, *, num_classes=None, weight_decay=1e-4,
-                 max_iter=200, seed=0) -> dict:
+                 max_iter=200, seed=0, subsets=None) -> dict:
     """Multinomial logistic regression on standardised features (train statistics), trained
-    to convergence by full-batch L-BFGS; deterministic. Returns top-1 on train and test."""
+    to convergence by full-batch L-BFGS; deterministic. Returns top-1 on train and test, and
+    ``top1_NAME`` on each of ``subsets`` (name → bool mask [n_test]; NaN for an empty one)."""
     if x_train.shape[0] == 0 or x_test.shape[0] == 0:
         raise ValueError("linear_probe: empty train or test set; check the split/fold settings")
     c = int(num_classes or int(max(y_train.max(), y_test.max())) + 1)
@@ -64,9 +65,13 @@ def linear_probe(x_train, y_train, x_test, y_test, *, num_classes=None, weight_d
     opt.step(closure)
     with torch.no_grad():
         train_acc = ((xtr @ w + b).argmax(1) == y_train).double().mean().item()
-        test_acc = ((xte @ w + b).argmax(1) == y_test).double().mean().item()
-    return {"top1": test_acc, "train_top1": train_acc, "n_train": int(x_train.shape[0]),
-            "n_test": int(x_test.shape[0]), "num_classes": c}
+        hit = (xte @ w + b).argmax(1) == y_test  # [n_test]
+        test_acc = hit.double().mean().item()
+    out = {"top1": test_acc, "train_top1": train_acc, "n_train": int(x_train.shape[0]),
+           "n_test": int(x_test.shape[0]), "num_classes": c}
+    for name, mask in (subsets or {}).items():
+        out[f"top1_{name}"] = hit[mask].double().mean().item() if mask.any() else float("nan")
+    return out
 
 
 def finetune(backbone: nn.Module, feat_dim: int, num_classes: int, train_batches, test_batches,

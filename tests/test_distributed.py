@@ -59,10 +59,13 @@ def test_diverged_rank_is_caught(worker):
 
 
 def test_torchrun_train_tiny(tmp_path):
+    """(With the pool refresh: each rank re-encodes its share of the pool's slots and gathers
+    the rest; the ranks' fingerprints, compared at every log line, hold the dictionaries that
+    the refreshed pools feed.)"""
     out = tmp_path / "run"
     p = _run(TORCHRUN + ["train.py", "--preset", "tiny", "--clips", "96", "--classes", "6",
                          "--steps", "12", "--log-every", "4", "--sampler", "active",
-                         "--out", str(out)])
+                         "--pool-refresh", "1", "--out", str(out)])
     state = ckpt.load(out / "ckpt_00000012.pt")
     assert state["step"] == 12
     with open(out / "metrics.csv", newline="") as f:

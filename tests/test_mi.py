@@ -430,7 +430,9 @@ def test_random_sampling_diversity_follows_its_law():
     e = [exact_expected_distinct(pairs.labels[:, i], m) for i in range(3)]
     law = {"unique_per_m": sum(u / m for u in e) / 3,
            "coverage": sum(u / min(m, s) for u, s in zip(e, sizes)) / 3}
-    assert mi.diversity_law(pairs, m) == pytest.approx(law, rel=1e-9)
+    ceiling = (12 + 7 + 32) / 32 / 3  # min(M, l_i) / M: no sampler can pass it
+    assert mi.diversity_law(pairs, m) == pytest.approx(
+        {**law, "unique_per_m_ceiling": ceiling}, rel=1e-9)
     assert hist["steps"] == 60 and len(hist["unique_per_m"]) == 3  # windows of 20 steps
     # CPU time is recorded beside the wall time: positive, at most the wall time per thread
     assert 0 < hist["cpu_seconds"] <= hist["seconds"] * (torch.get_num_threads() + 1) + 0.5
@@ -646,3 +648,83 @@ def test_compare_pairs_two_studies_by_seed(tmp_path, capsys):
         compare.main([f"{tmp_path / 'a'}:CM-ACC", f"{tmp_path / 'b'}:XMoCo"])
     assert e.value.code == 2
     assert "drew different pairs (n_train: 100 vs 200)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mean, half, want", [
+    (0.05, 0.02, "better"), (0.01, 0.005, "better, within the margin"),
+    (-0.05, 0.02, "worse"), (-0.01, 0.008, "worse, within the margin"),
+    (0.0, 0.015, "equivalent"), (0.01, 0.01, "equivalent"), (0.01, 0.03, "undetermined"),
+    (-0.015, 0.02, "undetermined"), (-0.015, 0.01, "worse"), (0.3, float("nan"), "undetermined")])
+def test_a_verdict_reads_the_paired_interval_against_the_declared_margin(mean, half, want):
+    """better / worse: the interval excludes 0; equivalent: it holds 0 inside ±margin;
+    undetermined: it holds 0 and reaches past the margin, or there is no interval (1 seed)."""
+    from cmacc.apps.mi import compare
+
+    assert compare.verdict(mean, half, 0.02) == want
+
+
+def test_compare_gives_each_probe_row_a_verdict_with_a_margin(tmp_path, capsys):
+    from cmacc.apps.mi import compare
+
+    a = _study({"CM-ACC": {3: [{"seed": s, "probe": p, "probe_seen": 0.5} for s, p in
+                               enumerate((0.30, 0.31, 0.29))]}})
+    b = _study({"XMoCo": {3: [{"seed": s, "probe": p, "probe_seen": 0.5} for s, p in
+                              enumerate((0.30, 0.30, 0.30))]}})
+    for name, r in (("a", a), ("b", b)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mi.json").write_text(json.dumps(r))
+    assert compare.main([f"{tmp_path / 'a'}:CM-ACC", f"{tmp_path / 'b'}:XMoCo",
+                         "--margin", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict (margin ±0.05)" in out
+    row = next(line for line in out.splitlines() if "| probe, held-out drawers |" in line)
+    assert row.rstrip().endswith("| equivalent |")  # +0.000 ± 0.025 (t_2 = 4.303)
+    with pytest.raises(SystemExit):
+        compare.main([f"{tmp_path / 'a'}:CM-ACC", f"{tmp_path / 'b'}:XMoCo", "--margin", "0"])
+
+
+def test_long_tailed_pairs_follow_the_zipf_law_and_name_their_tail():
+    """--char-dist zipf:S: each position's characters follow p_c ∝ 1/(c+1)^S (chi-square
+    against the law at the 0.1% level), the MI is the sum of the laws' entropies (by hand), and
+    the tail is the rarer half of each alphabet by these pairs' own counts; 'uniform' draws
+    exactly the pairs it always drew."""
+    from scipy import stats
+
+    g = identity_glyphs([6, 4])
+    n = 8000
+    pairs = mi.MultiOmniglotPairs(g, 2, n, seed=3, drawers=range(0, 14), char_dist="zipf:1")
+    for i, size in enumerate((6, 4)):
+        p = np.array([1 / (c + 1) for c in range(size)])
+        p /= p.sum()
+        counts = torch.bincount(pairs.labels[:, i], minlength=size).numpy()
+        assert stats.chisquare(counts, n * p).pvalue > 1e-3
+    h = sum(-sum(q * math.log(q) for q in (np.array([1 / (c + 1) for c in range(s)])
+                                           / sum(1 / (c + 1) for c in range(s))))
+            for s in (6, 4))
+    assert pairs.mutual_information == pytest.approx(h, rel=1e-9)
+    tail = pairs.tail()
+    assert [t.tolist() for t in tail] == [[False] * 3 + [True] * 3, [False] * 2 + [True] * 2]
+    flat = mi.MultiOmniglotPairs(g, 2, 100, seed=3, drawers=range(0, 14))
+    gen = torch.Generator().manual_seed(3)
+    assert torch.equal(flat.labels[:, 0], torch.randint(0, 6, (100,), generator=gen))
+
+
+def test_the_tail_probe_is_the_probe_on_the_tail_characters_test_pairs():
+    """probe_accuracy(..., tail): NAME_tail scores only the test pairs whose character is in
+    the tail: with every character in it, it is the whole probe; the tail's and its
+    complement's scores, weighted by their test pairs, give the whole probe back (l = 1: one
+    position, so no mean over positions in between)."""
+    from cmacc.apps.mi.probe import probe_accuracy
+
+    g = identity_glyphs([6])
+    tr = mi.MultiOmniglotPairs(g, 1, 600, seed=0, drawers=range(0, 14), char_dist="zipf:1")
+    te = mi.MultiOmniglotPairs(g, 1, 300, seed=1, drawers=range(14, 20))
+    tests = {"held_out": te}
+    every = probe_accuracy(None, tr, tests, 400, [torch.ones(6, dtype=torch.bool)])
+    assert every["held_out_tail"] == pytest.approx(every["held_out"])
+    (half,) = tr.tail()
+    a = probe_accuracy(None, tr, tests, 400, [half])["held_out_tail"]
+    b = probe_accuracy(None, tr, tests, 400, [~half])["held_out_tail"]
+    share = half[te.labels[:, 0]].double().mean().item()
+    assert 0 < share < 1
+    assert share * a + (1 - share) * b == pytest.approx(every["held_out"], rel=1e-9)

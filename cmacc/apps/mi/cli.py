@@ -10,6 +10,7 @@ from pathlib import Path
 from data_dali.cli import ArgumentParser, UserError, command, output_folder, prog_name
 
 from cmacc.config import POOL_MODES
+from data_dali.classdist import zipf_exponent
 
 from .. import positive_int
 from .data import RELATIONS, make_glyphs
@@ -66,6 +67,11 @@ def main(argv=None):
                         f"{PAIRS['probe']} ({QUICK_PAIRS['probe']} with --quick)")
     p.add_argument("--relation", choices=RELATIONS, default="next",
                    help="y's character: x's next in its alphabet (Ozair et al., default) or x's own")
+    p.add_argument("--char-dist", default="uniform", metavar="DIST",
+                   help="the training pairs' characters: uniform (the paper's, default) or "
+                        "zipf:S (character c of an alphabet ∝ 1/(c+1)^S: a long tail, where "
+                        "random negatives repeat the head and a sampler has room to diversify; "
+                        "test pairs stay uniform, and the probe is also scored on the tail)")
     p.add_argument("--quick", action="store_true",
                    help="a minutes-long setting for tests (tiny networks, 60 steps): not a result")
     for f in dataclasses.fields(MIConfig):
@@ -83,6 +89,7 @@ def main(argv=None):
         p.error("pass --omniglot ROOT (torchvision layout) or --make-glyphs DIR")
     if max(args.chars) > 9:
         p.error("--chars must be between 1 and 9")
+    zipf_exponent(args.char_dist, flag="--char-dist")  # one line naming the forms
     for k, v in (QUICK_PAIRS if args.quick else PAIRS).items():
         if getattr(args, f"{k}_pairs") is None:
             setattr(args, f"{k}_pairs", v)
@@ -110,7 +117,8 @@ def main(argv=None):
     run(root, args.out, tuple(args.chars), cfg, n_train=args.train_pairs,
         n_test=args.test_pairs, n_probe=args.probe_pairs, seeds=tuple(args.seeds),
         methods=tuple(args.methods), relation=args.relation, sampler_chars=args.sampler_chars,
-        samplers=tuple(m for m in args.samplers if m not in args.methods))
+        samplers=tuple(m for m in args.samplers if m not in args.methods),
+        char_dist=args.char_dist)
     _say_outputs(Path(args.out))
     return 0
 

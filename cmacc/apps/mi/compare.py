@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,9 +30,11 @@ from data_dali.cli import ArgumentParser, UserError, command
 from .train import MIConfig
 
 # what must be equal for a seed to mean the same pairs in both studies
-SAME_DATA = ("alphabets", "relation", "n_train", "n_test", "n_probe")
+SAME_DATA = ("alphabets", "relation", "n_train", "n_test", "n_probe", "char_dist")
 # the per-run figures compared: (mi.json key, label)
 FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen drawings"),
+           ("probe_held_out_tail", "probe, held-out drawers, tail characters"),
+           ("probe_seen_tail", "probe, seen drawings, tail characters"),
            ("unique_per_m_2nd_half", "negatives unique/M, 2nd half"),
            ("coverage_2nd_half", "negatives coverage, 2nd half"),
            ("key_cos_2nd_half", "enqueued keys' cosine to fresh keys, 2nd half"),
@@ -103,22 +106,41 @@ def _pm(stat, digits=3) -> str:
     return "not recorded" if stat is None else format_interval(*stat[:2], digits=digits)
 
 
-def table(cmp: list[dict], name_a: str, name_b: str) -> list[str]:
-    """Markdown lines: one row per l and figure."""
-    lines = [f"| l | figure | {name_a} | {name_b} | first − second (per seed) |",
-             "|---|---|---|---|---|"]
+def verdict(mean: float, half: float, margin: float) -> str:
+    """A paired difference's 95% interval [mean - half, mean + half] read against an
+    equivalence margin declared before the runs: "better" / "worse" when it excludes 0 (",
+    within the margin" when it also lies inside ±margin), "equivalent" when it holds 0 and lies
+    inside ±margin, "undetermined" otherwise (and with fewer than 2 seeds: no interval)."""
+    if not math.isfinite(half):
+        return "undetermined"
+    lo, hi = mean - half, mean + half
+    inside = -margin <= lo and hi <= margin
+    if lo > 0 or hi < 0:
+        return ("better" if lo > 0 else "worse") + (", within the margin" if inside else "")
+    return "equivalent" if inside else "undetermined"
+
+
+def table(cmp: list[dict], name_a: str, name_b: str, margin: float | None = None) -> list[str]:
+    """Markdown lines: one row per l and figure (with ``margin``: a verdict per probe row)."""
+    extra = (f" verdict (margin ±{margin:g}) |", "---|") if margin is not None else ("", "")
+    lines = [f"| l | figure | {name_a} | {name_b} | first − second (per seed) |" + extra[0],
+             "|---|---|---|---|---|" + extra[1]]
     for c in cmp:
         for key, label in (("steps", "steps"), ("seconds", "training s per run (wall)"),
                            ("cpu_seconds", "training s per run (CPU)")):
             lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key], 0)} | "
-                         f"{_pm(c['b'][key], 0)} | |")
+                         f"{_pm(c['b'][key], 0)} | |" + (" |" if margin is not None else ""))
         for key, label in FIGURES:
             d = c["diff"][key]
             cell = "—" if d is None else (
                 format_interval(d["mean"], d["half"], signed=True)
                 + " (" + ", ".join(f"{v:+.3f}" for v in d["per_seed"]) + ")")
+            call = ""
+            if margin is not None:
+                call = (f" {verdict(d['mean'], d['half'], margin)} |"
+                        if d is not None and key.startswith("probe") else " |")
             lines.append(f"| {c['l']} | {label} | {_pm(c['a'][key])} | {_pm(c['b'][key])} | "
-                         f"{cell} |")
+                         f"{cell} |" + call)
     return lines
 
 
@@ -129,7 +151,13 @@ def main(argv=None):
     p.add_argument("second", metavar="STUDY:METHOD", help="e.g. runs/mi_long:XMoCo")
     p.add_argument("--chars", type=int, nargs="+",
                    help="the l to compare (default: every l both sides ran)")
+    p.add_argument("--margin", type=float, metavar="E",
+                   help="an equivalence margin on the probes' paired differences, declared "
+                        "before the runs (e.g. 0.02): each probe row gets a verdict, better / "
+                        "equivalent / worse / undetermined, from its 95%% interval")
     args = p.parse_args(argv)
+    if args.margin is not None and not args.margin > 0:
+        p.error("--margin: a positive number, e.g. 0.02")
     a, ma, na = load_side(args.first)
     b, mb, nb = load_side(args.second)
     check_same_data(a, b, na, nb)
@@ -143,7 +171,8 @@ def main(argv=None):
         raise UserError(f"{na} and {nb}: no seed run by both sides: nothing to pair")
     print(f"first: {na} {ma}; second: {nb} {mb}; paired by seed "
           f"({', '.join(str(s) for s in cmp[0]['seeds'])}); mean ± 95% t-interval over seeds\n")
-    print("\n".join(table(cmp, f"{ma} ({Path(na).name})", f"{mb} ({Path(nb).name})")))
+    print("\n".join(table(cmp, f"{ma} ({Path(na).name})", f"{mb} ({Path(nb).name})",
+                           args.margin)))
     diffs = config_differences(a, b)
     print("\nsettings that differ: " + ("; ".join(diffs) if diffs else "none"))
     return 0

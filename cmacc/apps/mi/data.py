@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from data_dali.classdist import class_probs, zipf_exponent
 from data_dali.cli import UserError
 
 CELL = 32
@@ -105,7 +107,7 @@ class MultiOmniglotPairs:
     glyph bank (``images``; ``batch`` gives floats): 50,000 pairs cost ~1 MB, not gigabytes."""
 
     def __init__(self, glyphs: Glyphs, n_chars: int, n: int, *, seed: int, drawers: range,
-                 relation: str = "next"):
+                 relation: str = "next", char_dist: str = "uniform"):
         if relation not in RELATIONS:
             raise ValueError(f"relation {relation!r} is not one of {RELATIONS}")
         if n_chars > len(glyphs.bank):
@@ -119,8 +121,14 @@ class MultiOmniglotPairs:
         self.relation, self.drawers = relation, drawers
         self.rows, self.cols = grid_shape(n_chars)
         g = torch.Generator().manual_seed(seed)
-        self.labels = torch.stack([torch.randint(0, s, (n,), generator=g)
-                                   for s in self.sizes], 1)  # [n, l]
+        self.char_dist = char_dist
+        if zipf_exponent(char_dist, flag="--char-dist") == 0:
+            self.labels = torch.stack([torch.randint(0, s, (n,), generator=g)
+                                       for s in self.sizes], 1)  # [n, l]
+        else:  # a long tail: character c of an alphabet with probability ∝ 1 / (c + 1)^S
+            self.labels = torch.stack([torch.multinomial(
+                torch.from_numpy(class_probs(char_dist, s)), n, replacement=True, generator=g)
+                for s in self.sizes], 1)  # [n, l]
         dx = torch.randint(0, nd, (n, n_chars), generator=g)  # [n, l]
         dy = (dx + torch.randint(1, nd, (n, n_chars), generator=g)) % nd  # another person
         self.drawer_x = (dx + drawers.start).to(torch.uint8)
@@ -135,7 +143,24 @@ class MultiOmniglotPairs:
 
     @property
     def mutual_information(self) -> float:
-        return mutual_information(self.sizes)
+        """sum_i log l_i for uniform characters; with a long tail, sum_i H(character at i), the
+        entropy of its law (y's character is still a bijection of x's)."""
+        if zipf_exponent(self.char_dist) == 0:
+            return mutual_information(self.sizes)
+        return float(sum(-(p * np.log(p)).sum()
+                         for p in (class_probs(self.char_dist, s) for s in self.sizes)))
+
+    def tail(self) -> list[torch.Tensor]:
+        """Per position, bool [l_i]: the rarer half of the alphabet (the floor(l_i / 2)
+        characters drawn least often among these pairs; ties to the later character)."""
+        out = []
+        for i, size in enumerate(self.sizes):
+            counts = torch.bincount(self.labels[:, i], minlength=size)
+            order = sorted(range(size), key=lambda c: (counts[c].item(), -c))
+            mask = torch.zeros(size, dtype=torch.bool)
+            mask[order[:size // 2]] = True
+            out.append(mask)
+        return out
 
     def y_labels(self) -> torch.Tensor:
         """y's character at every position [n, l]."""

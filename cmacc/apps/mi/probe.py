@@ -33,11 +33,13 @@ def pixel_features(pairs: MultiOmniglotPairs, n: int | None = None, chunk=1000):
 
 
 def probe_accuracy(model, train: MultiOmniglotPairs, tests: dict[str, MultiOmniglotPairs],
-                   n_probe: int | None = None) -> dict[str, float]:
+                   n_probe: int | None = None, tail=None) -> dict[str, float]:
     """Per test set (name → pairs): the mean over positions of a linear probe's test accuracy
     on x's character; the probe is fit once per position on the first ``n_probe`` training
     pairs (deterministic, so each test set sees the same probe). ``model`` None: the probe
-    reads raw pixels (``pixel_features``)."""
+    reads raw pixels (``pixel_features``). ``tail`` (per position, a bool mask over the
+    alphabet): also "NAME_tail", the accuracy on the test pairs whose character is in it
+    (the mean over positions)."""
     def feats(pairs, n=None):
         return pixel_features(pairs, n) if model is None else features(model, pairs, n)
 
@@ -46,7 +48,10 @@ def probe_accuracy(model, train: MultiOmniglotPairs, tests: dict[str, MultiOmnig
     out = {}
     for name, test in tests.items():
         fte = feats(test)
-        accs = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i],
-                             num_classes=train.sizes[i])["top1"] for i in range(train.n_chars)]
-        out[name] = sum(accs) / len(accs)
+        per = [linear_probe(ftr, ytr[:, i], fte, test.labels[:, i], num_classes=train.sizes[i],
+                            subsets=None if tail is None else
+                            {"tail": tail[i][test.labels[:, i]]}) for i in range(train.n_chars)]
+        out[name] = sum(p["top1"] for p in per) / len(per)
+        if tail is not None:
+            out[f"{name}_tail"] = sum(p["top1_tail"] for p in per) / len(per)
     return out

@@ -208,6 +208,12 @@ def _diversity_lines(results, chars, methods) -> list[str]:
                 ran = _runs(results, a, l) and _runs(results, b, l)
                 cells.append(_signed(d) if d or not ran else "not recorded")
             lines.append(f"| {l} | " + " | ".join(cells) + " |")
+        ceil = {l: law[str(l)]["unique_per_m_ceiling"] for l in chars
+                if "unique_per_m_ceiling" in law.get(str(l), {})}
+        if key == "unique_per_m" and ceil:  # how much room the measure leaves above random
+            lines += ["", "The ceiling of unique/M (min(M, l_i) distinct characters at every "
+                      "position): " + ", ".join(f"l = {l}: {c:.3f}" for l, c in ceil.items())
+                      + "."]
     return lines
 
 

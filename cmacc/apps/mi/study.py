@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from cmacc.metrics import expected_unique
+from data_dali.classdist import zipf_exponent
 from data_dali.cli import UserError, eta
 from data_dali.fileio import atomic_write_text
 
@@ -24,7 +25,8 @@ from .train import (DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig, bu
                     selects, train_one)
 
 
-def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -> list[str]:
+def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds,
+               char_dist="uniform") -> list[str]:
     """Every way this run differs from the paper's protocol (appendix; Ozair et al. 2019)."""
     d = []
     if glyphs.sizes[:len(PAPER_ALPHABET_SIZES)] != list(PAPER_ALPHABET_SIZES)[:len(glyphs.sizes)]:
@@ -48,6 +50,11 @@ def departures(glyphs: Glyphs, chars, n_train, cfg: MIConfig, relation, seeds) -
         d.append("fresh picks (--fresh-picks): the active samplers' picks are re-encoded by the "
                  "current key encoders before they are enqueued; Algorithm 1 enqueues the "
                  "pool's keys as encoded when the pool was drawn")
+    if zipf_exponent(char_dist) > 0:
+        d.append(f"a long tail (--char-dist {char_dist}): in the training pairs character c of "
+                 "an alphabet is drawn with probability ∝ 1 / (c + 1)^S (the paper's are "
+                 "uniform); the test pairs stay uniform, and probe_*_tail scores the rarer half "
+                 "of each alphabet in the training pairs")
     if cfg.pool_refresh:
         d.append(f"pool refresh (--pool-refresh {cfg.pool_refresh}): {cfg.pool_refresh} batches "
                  "of the pool's pairs re-encoded per step by the current key encoders, round "
@@ -89,11 +96,13 @@ def plan(chars, seeds, methods, sampler_chars, samplers) -> list[tuple[int, int,
                     for m in samplers]
 
 
-def _settings(glyphs: Glyphs, chars, cfg: MIConfig, relation, n_train, n_test, n_probe) -> dict:
+def _settings(glyphs: Glyphs, chars, cfg: MIConfig, relation, n_train, n_test, n_probe,
+              char_dist="uniform") -> dict:
     """What a run's figures depend on besides (seed, l, method): a resumed study must match."""
     return {"alphabets": glyphs.names[:max(chars)], "alphabet_sizes": glyphs.sizes[:max(chars)],
             "relation": relation, "n_train": n_train, "n_test": n_test, "n_probe": n_probe,
-            "config": dataclasses.asdict(cfg)}
+            "config": dataclasses.asdict(cfg),
+            **({"char_dist": char_dist} if char_dist != "uniform" else {})}
 
 
 def _resume(path: Path, settings: dict) -> dict:
@@ -181,13 +190,15 @@ def diversity_law(pairs: MultiOmniglotPairs, m: int) -> dict[str, float]:
     e = [expected_unique(torch.bincount(pairs.labels[:, i], minlength=size).tolist(), m)
          for i, size in enumerate(pairs.sizes)]
     return {"unique_per_m": sum(u / m for u in e) / len(e),
-            "coverage": sum(u / min(m, size) for u, size in zip(e, pairs.sizes)) / len(e)}
+            "coverage": sum(u / min(m, size) for u, size in zip(e, pairs.sizes)) / len(e),
+            # what no sampler can pass: min(m, l_i) distinct characters at position i
+            "unique_per_m_ceiling": sum(min(m, size) / m for size in pairs.sizes) / len(e)}
 
 
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         n_train=PAPER_TRAIN_PAIRS, n_test=2000, n_probe=10_000, seeds=(0, 1, 2),
         methods=tuple(METHODS), relation="next", sampler_chars=None,
-        samplers=tuple(SAMPLERS), log=None, verbose=False) -> dict:
+        samplers=tuple(SAMPLERS), log=None, verbose=False, char_dist="uniform") -> dict:
     """Train and probe every run of ``plan``; ``mi.json`` in ``out`` is rewritten after each
     one, and runs already there (same settings) are kept, not trained again."""
     cfg = cfg or MIConfig()
@@ -197,13 +208,14 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sampler_chars = default_sampler_chars(chars) if sampler_chars is None else list(sampler_chars)
-    settings = _settings(glyphs, chars, cfg, relation, n_train, n_test, n_probe)
+    settings = _settings(glyphs, chars, cfg, relation, n_train, n_test, n_probe, char_dist)
     results = {**settings, **_resume(out / "mi.json", settings)}
     results.update({"chars": list(chars), "seeds": list(seeds), "methods": list(methods),
                     "samplers": list(samplers), "sampler_chars": sampler_chars,
                     "complete": False,  # True once every run of the plan is in
                     "machine": machine(),
-                    "departures": departures(glyphs, chars, n_train, cfg, relation, seeds)})
+                    "departures": departures(glyphs, chars, n_train, cfg, relation, seeds,
+                                             char_dist)})
     dropped = _drop_other_pools(results, cfg)
     if dropped:
         log(f"{out / 'mi.json'}: {dropped} runs of the active samplers had another pool than "
@@ -218,8 +230,10 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
 
     def pairs(l):
         if l not in data:
+            # a long tail (--char-dist) in the training pairs only: the test pairs stay uniform,
+            # so that every character is tested, the tail's as often as the head's
             tr = MultiOmniglotPairs(glyphs, l, n_train, seed=1000 * l, relation=relation,
-                                    drawers=range(0, TRAIN_DRAWERS))
+                                    drawers=range(0, TRAIN_DRAWERS), char_dist=char_dist)
             te = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 1, relation=relation,
                                     drawers=range(TRAIN_DRAWERS, n_drawers))
             # new pairs of the training drawers' own drawings: what a probe measures when the
@@ -227,7 +241,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
             ts = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 2, relation=relation,
                                     drawers=range(0, TRAIN_DRAWERS))
             data.clear()  # one l at a time in memory
-            data[l] = tr, {"held_out": te, "seen": ts}
+            data[l] = tr, {"held_out": te, "seen": ts}, tr.tail() if char_dist != "uniform" else None
         return data[l]
 
     def save():
@@ -245,26 +259,27 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     for seed, l, m in todo:
         if _run_done(results, seed, l, m):
             continue
-        tr, tests = pairs(l)
+        tr, tests, tail = pairs(l)
         results["mi"][str(l)] = tr.mutual_information
         results["diversity_law"][str(l)] = diversity_law(tr, cfg.batch)
         if str(l) not in results["pixels"]:
-            pixels = probe_accuracy(None, tr, tests, n_probe)  # the floor without an encoder
+            pixels = probe_accuracy(None, tr, tests, n_probe, tail)  # the floor without an encoder
             for k, v in pixels.items():
-                results[_floor_key("pixels", k)][str(l)] = v
+                results.setdefault(_floor_key("pixels", k), {})[str(l)] = v
             log(f"l={l} pixels: probe {pixels['held_out']:.3f} (seen drawings "
                 f"{pixels['seen']:.3f})")
         if str(seed) not in results["untrained"].get(str(l), {}):
             # the floor: the same encoder at initialisation
             floor = probe_accuracy(build_model(methods[0] if methods else m, cfg, seed), tr,
-                                   tests, n_probe)
+                                   tests, n_probe, tail)
             for k, v in floor.items():
-                results[_floor_key("untrained", k)].setdefault(str(l), {})[str(seed)] = v
+                results.setdefault(_floor_key("untrained", k), {}).setdefault(str(l), {})[
+                    str(seed)] = v
             log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
                 f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
         model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
         t0 = time.perf_counter()
-        acc = probe_accuracy(model, tr, tests, n_probe)
+        acc = probe_accuracy(model, tr, tests, n_probe, tail)
         hist["probe_seconds"] = time.perf_counter() - t0
         if selects(m):
             hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
