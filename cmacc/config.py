@@ -86,6 +86,9 @@ class ModelConfig:
         _choice("video_arch", self.video_arch, VIDEO_ARCHS)
         _positive(self, "video_width", "audio_width", "n_mels", "dim", "fcl_dim", "batch_size",
                   "dict_size")
+        if self.batch_size < 2:  # 1 clip whose last map is 1x1x1: "Expected more than 1 value"
+            raise ValueError(f"batch_size M={self.batch_size}: BatchNorm in training needs at "
+                             "least 2 clips per batch; use --batch-size 2 or more")
         if self.dict_size < self.batch_size:
             raise ValueError(f"dict_size K={self.dict_size} must be >= batch_size M="
                              f"{self.batch_size} (each step enqueues M keys); the paper uses K = 30 * M")

@@ -299,11 +299,12 @@ class Trainer:
         cfg = self.cfg
         self.rank, self.world = du.rank(), du.world_size()
         m = cfg.model.batch_size
-        if m % self.world:  # the one world size a run cannot continue at
-            fits = [w for w in range(1, m + 1) if m % w == 0]
+        if m % self.world or m // self.world < 2:  # the world sizes a run cannot continue at
+            fits = [w for w in range(1, m // 2 + 1) if m % w == 0]  # (BatchNorm: 2 clips a rank)
             raise UsageError(f"--batch-size {m} (global M) does not divide over {self.world} "
-                             f"ranks; use a multiple of {self.world} for a new run, or run this "
-                             f"one on a number of ranks that divides {m} ({', '.join(map(str, fits))})")
+                             "ranks into at least 2 clips each (BatchNorm); use a multiple of "
+                             f"{2 * self.world} for a new run, or run this one on a number of "
+                             f"ranks that divides it so ({', '.join(map(str, fits))})")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
