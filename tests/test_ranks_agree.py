@@ -154,3 +154,41 @@ def test_the_out_lock_does_not_outlive_its_run_in_a_forked_worker(tmp_path):
     finally:
         os.close(w)
         os.waitpid(pid, 0)
+
+
+def _stub_manifest(n):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(file="m.csv", rows=[dict(id=f"c{i}", video=f"v{i}.webm", mel="")
+                                               for i in range(n)])
+
+
+def test_each_rank_lists_damaged_clips_in_its_own_file_and_a_resume_reads_them_all(tmp_path):
+    """Appends from several nodes to one file are not atomic on NFS (and each rank wrote a
+    header): one file a rank, one header each; a run resumed at another world size knows every
+    clip listed; the stop's line names the files alike on every rank."""
+    from data_dali.damaged import BadClips, rank_csv
+
+    met = {0: [1, 2], 1: [2, 3]}  # clip 2 met by both ranks
+
+    def rank_fn(rank):
+        du.init_process_group("gloo", 20)
+        bad = BadClips(_stub_manifest(8), list(range(8)), limit=0, stop_past_limit=False,
+                       csv_path=rank_csv(tmp_path / "bad_clips.csv", rank, 2))
+        for i in met[rank]:
+            bad.record(i, "truncated")
+        return bad.limit_message(2)
+
+    lines = run_ranks(rank_fn)
+    assert lines[0] == lines[1] and f"(listed in {tmp_path}/bad_clips.rank*.csv)" in lines[0][1]
+    listed = []
+    for rank in (0, 1):
+        text = (tmp_path / f"bad_clips.rank{rank}.csv").read_text().splitlines()
+        assert text[0] == "index,id,file,reason" and "index,id,file,reason" not in text[1:]
+        rows = [int(row.split(",")[0]) for row in text[1:]]
+        assert set(rows) <= set(met[rank])  # (clip 2 once: a rank reads what another listed)
+        listed += rows
+    assert not (tmp_path / "bad_clips.csv").exists()
+    resumed = BadClips(_stub_manifest(8), list(range(8)), limit=9,
+                       csv_path=rank_csv(tmp_path / "bad_clips.csv", 0, 1))
+    assert resumed.listed == {1, 2, 3} and sorted(listed) == [1, 2, 3]
