@@ -65,6 +65,33 @@ class UsageError(UserError, ValueError):
     what to do. ``train.py`` prints it as one line and exits 2."""
 
 
+# the oldest Linux driver of each CUDA release (NVIDIA's CUDA toolkit release notes)
+MIN_DRIVER = {"13.0": "580.65.06", "12.9": "575.51.03", "12.8": "570.26", "12.6": "560.28.03",
+              "12.4": "550.54.14", "12.1": "530.30.02", "11.8": "520.61.05"}
+
+
+def cuda_needs() -> str:
+    """What the installed torch needs from the driver and what nvidia-smi found, in words."""
+    import shutil
+    import subprocess
+
+    built = torch.version.cuda
+    need = (f"torch {torch.__version__} is a CPU-only build" if built is None else
+            f"torch {torch.__version__} is built for CUDA {built}, which needs an NVIDIA driver "
+            f">= {MIN_DRIVER.get(built, 'of CUDA ' + built)}")
+    found = "no nvidia-smi on PATH (no NVIDIA driver?)"
+    if shutil.which("nvidia-smi"):
+        try:
+            p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+            drivers = sorted(set(p.stdout.split()))
+            found = (f"driver {', '.join(drivers)}" if p.returncode == 0 and drivers else
+                     f"nvidia-smi fails ({(p.stderr or p.stdout).strip()[:120] or p.returncode})")
+        except (OSError, subprocess.SubprocessError) as e:
+            found = f"nvidia-smi fails ({e})"
+    return f"{need}; found: {found}"
+
+
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN/Inf; the last good checkpoint is kept."""
 
@@ -260,7 +287,9 @@ class Trainer:
         """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; the group lives for this run only."""
         run = self.cfg.run
         if run.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("device cuda requested but no CUDA device is visible; use --device cpu")
+            raise UsageError(f"device cuda requested but CUDA is not usable: {cuda_needs()}; "
+                             "install for your driver (README, Install: make install CUDA=12) "
+                             "or use --device cpu")
         created = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not du.is_dist():
             if run.device == "cuda":

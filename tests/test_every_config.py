@@ -5,6 +5,7 @@ trained one step in-process on tiny synthetic clips. (A deep encoder on a small 
 do that at step 1.)"""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,48 @@ def test_one_clip_per_rank_is_refused_at_the_start(tmp_path, monkeypatch):
                        r"each .* \(1\)$"):
         Trainer(cfg).run()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("built,smi,says", [
+    ("13.0", "535.104.05\n535.104.05\n", "built for CUDA 13.0, which needs an NVIDIA driver >= "
+     "580.65.06; found: driver 535.104.05; install for your driver"),
+    ("12.8", None, "built for CUDA 12.8, which needs an NVIDIA driver >= 570.26; found: no "
+     "nvidia-smi on PATH"),
+    (None, None, "is a CPU-only build; found: no nvidia-smi"),
+])
+def test_a_gpu_run_without_usable_cuda_names_the_driver_needed_and_found(
+        tmp_path, monkeypatch, capsys, built, smi, says):
+    """torch's CUDA query simulated: a driver older than the wheels' CUDA (an H100 on R535 with
+    the cu130 pins) is one line naming both, exit 2."""
+    import subprocess
+
+    import train
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.version.cuda", built)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/nvidia-smi" if smi else None)
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 0, stdout=smi, stderr=""))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--device", "cuda", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pins(name):
+    lines = (ROOT / name).read_text().splitlines()
+    return dict(line.split("==") for line in lines if "==" in line and not line.startswith("#"))
+
+
+@pytest.mark.parametrize("name,cuda", [("requirements.txt", "130"), ("requirements-cu12.txt", "120")])
+def test_each_install_option_pins_one_consistent_set(name, cuda):
+    """torchvision 0.N+15 goes with torch 2.N (torchvision's release rule), DALI's wheel is
+    for the option's CUDA, and both options share every other requirement."""
+    pins = _pins(name)
+    minor = int(pins["torch"].split(".")[1])
+    assert pins["torchvision"].startswith(f"0.{minor + 15}.")
+    assert set(pins) == {"torch", "torchvision", "torchaudio", f"nvidia-dali-cuda{cuda}"}
+    assert "-r requirements-common.txt" in (ROOT / name).read_text()
