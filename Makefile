@@ -2,15 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+STAMP   = $(VENV)/.installed-cuda$(CUDA)
+# the driver's CUDA: 13 (default: requirements.txt, driver R580+) or 12 (requirements-cu12.txt,
+# driver R570+); `nvidia-smi` prints the driver and the newest CUDA it runs
+CUDA   ?= 13
+REQS   := $(if $(filter 12,$(CUDA)),requirements-cu12.txt,requirements.txt)
 
 .PHONY: install demo test bench gpu-check clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt setup.py
+$(STAMP): $(REQS) requirements-common.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check -r $(REQS)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
 	touch $(STAMP)
 

@@ -62,6 +62,8 @@ FLAGS = {
         ("--on-nonfinite", "run.on_nonfinite", dict(choices=("stop", "skip"), help="a NaN/Inf loss or gradient: "
                                                     "stop (default) or skip that step's update")),
         ("--max-nonfinite", "run.max_nonfinite", dict(type=int, help="with skip: stop after this many (default 10)")),
+        ("--dist-timeout", "run.dist_timeout", dict(type=float, help="torchrun: seconds a collective waits for a rank that never "
+                                                    "joins (a lost node) before the others fail and restart (default 300)")),
         ("--tensorboard", "run.tensorboard", dict(action="store_const", const=True, help="also write OUT/tb")),
         ("--no-shuffle-bn", "run.shuffle_bn", dict(action="store_const", const=False, help="no shuffle-BN in the key encoders")),
         ("--dict-init", "run.dict_init", dict(choices=DICT_INITS, help="encode K random clips (paper) or random keys")),

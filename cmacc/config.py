@@ -86,6 +86,9 @@ class ModelConfig:
         _choice("video_arch", self.video_arch, VIDEO_ARCHS)
         _positive(self, "video_width", "audio_width", "n_mels", "dim", "fcl_dim", "batch_size",
                   "dict_size")
+        if self.batch_size < 2:  # 1 clip whose last map is 1x1x1: "Expected more than 1 value"
+            raise ValueError(f"batch_size M={self.batch_size}: BatchNorm in training needs at "
+                             "least 2 clips per batch; use --batch-size 2 or more")
         if self.dict_size < self.batch_size:
             raise ValueError(f"dict_size K={self.dict_size} must be >= batch_size M="
                              f"{self.batch_size} (each step enqueues M keys); the paper uses K = 30 * M")
@@ -243,6 +246,9 @@ class RunConfig:
     keep: int = 3  # checkpoints of this run kept in OUT (the newest valid one always)
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop, or skip the step
     max_nonfinite: int = 10  # with "skip": stop once more steps than this were skipped
+    # seconds a collective waits for a rank that never joins (a lost node) before the
+    # survivors fail and torchrun restarts them: docs/RELIABILITY.md, "A lost node"
+    dist_timeout: float = 300.0
 
     def __post_init__(self):
         _positive(self, "steps", "log_every", "keep")
@@ -255,6 +261,8 @@ class RunConfig:
                  max_nonfinite=2 ** 40)
         _choice("device", self.device, ("cpu", "cuda"))
         _choice("dict_init", self.dict_init, DICT_INITS)
+        if not (isinstance(self.dist_timeout, (int, float)) and 1 <= self.dist_timeout <= 86400):
+            raise ValueError(f"dist_timeout must be 1 to 86400 seconds, got {self.dist_timeout!r}")
 
 
 SECTIONS = {"model": ModelConfig, "selection": SelectionConfig, "data": DataConfig,

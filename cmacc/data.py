@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 import data_dali
+from data_dali.damaged import rank_csv
 from data_dali.synthetic import ToyAV, ToyLoader, held_out
 
 from .config import DataConfig
@@ -25,7 +26,8 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                  views: int = 1, device="cpu", out=None, stop_past_limit: bool = True):
     """Shuffled epochs of this rank's share of each global batch of ``batch_size`` clips
     (``set_epoch`` reshuffles); ``labels`` / ``num_classes`` describe the whole dataset.
-    Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv; past
+    Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv (under torchrun
+    one file a rank, bad_clips.rank<r>.csv: data_dali/damaged.py); past
     --max-bad-clips the loader raises, or with ``stop_past_limit=False`` leaves the stop to the
     caller (the trainer agrees on ``loader.bad.count`` over ranks and stops every rank).
 
@@ -45,7 +47,8 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   num_shards=world, seed=seed, views=views, device=device,
                                   backend=dcfg.loader, num_workers=dcfg.workers,
                                   prefetch=dcfg.prefetch,
-                                  bad_clips_csv=out and Path(out) / "bad_clips.csv",
+                                  bad_clips_csv=out and rank_csv(Path(out) / "bad_clips.csv",
+                                                                 rank, world),
                                   max_bad_clips=None if dcfg.max_bad_clips < 0
                                   else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 

@@ -4,8 +4,10 @@ initialised), so the method runs unchanged in one process."""
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
+import pickle
 import zlib
 
 import torch
@@ -48,7 +50,7 @@ def restarts_allowed() -> bool:
         return False
 
 
-def init_process_group(backend: str) -> None:
+def init_process_group(backend: str, timeout: float | None = None) -> None:
     """The default group from torchrun's environment, its store keys under this attempt's own
     prefix when the store is the agent's. torchrun's agent may keep serving one store across
     worker restarts (TORCHELASTIC_USE_AGENT_STORE, the default of one node), so the workers of
@@ -57,11 +59,48 @@ def init_process_group(backend: str) -> None:
     attempt makes each attempt's rendezvous its own. With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     (what several nodes need: ``shared_store_warning``) rank 0 of each attempt serves a new
     store on a new port: nothing stale to avoid, and no prefix, since the agents of several
-    nodes count their restarts differently (a membership change is not counted)."""
+    nodes count their restarts differently (a membership change is not counted).
+
+    ``timeout`` (seconds; None: torch's default, 10 min for NCCL, 30 for gloo) bounds the wait
+    of a collective that a peer never joins (a lost node): the survivors then fail and torchrun
+    restarts them (docs/RELIABILITY.md, "A lost node")."""
     store, rank_, world = next(dist.rendezvous("env://"))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = dist.PrefixStore(f"cmacc/attempt_{restart_count()}", store)
-    dist.init_process_group(backend, store=store, rank=rank_, world_size=world)
+    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group(backend, store=store, rank=rank_, world_size=world, **kw)
+
+
+def agree(decide):
+    """``decide()`` on rank 0, its result on every rank (picklable; broadcast), or its exception
+    raised on every rank: one decision where ranks may see different things (an NFS listing
+    lags 30-60 s behind another node's writes). Every rank must call it, at the same point."""
+    if world_size() == 1:
+        return decide()
+    box = [None]
+    if rank() == 0:
+        try:
+            box[0] = (True, decide())
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            try:
+                pickle.dumps(e)
+            except Exception:  # noqa: BLE001 - an exception that does not travel: its line does
+                e = RuntimeError(f"{type(e).__name__}: {e}")
+            box[0] = (False, e)
+    dist.broadcast_object_list(box, 0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def gather_objects(obj) -> list:
+    """``obj`` of every rank (picklable), in rank order, on every rank."""
+    if world_size() == 1:
+        return [obj]
+    out = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def shared_store_warning() -> str | None:

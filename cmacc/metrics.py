@@ -183,10 +183,12 @@ def flops_of(fn) -> float:
 
 def model_flops_per_clip(model, video, audio) -> float:
     """Training FLOPs per clip: 3x the query encoders' forward (forward + backward) plus the
-    key encoders' forward, counted on one clip with copies of the encoders."""
+    key encoders' forward, counted on one clip with copies of the encoders in eval mode: the
+    count is that of the convolutions and matmuls, and a train-mode BatchNorm refuses one clip
+    whose last map is 1x1x1 (deep stages on small clips)."""
     import copy
 
-    fv, fa = copy.deepcopy(model.f_v), copy.deepcopy(model.f_a)
+    fv, fa = copy.deepcopy(model.f_v).eval(), copy.deepcopy(model.f_a).eval()
     with torch.no_grad():
         fwd = flops_of(lambda: fv(video[:1])) + flops_of(lambda: fa(audio[:1]))
     return 4.0 * fwd

@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from data_dali.cli import Interrupted, UserError, output_folder
-from data_dali.fileio import FolderBusy, hold_folder, sweep_temporaries, write_failure
+from data_dali.fileio import (FolderBusy, FolderLockError, hold_folder, sweep_temporaries,
+                              write_failure)
 
 from . import amp
 from . import checkpoint as ckpt
@@ -62,6 +63,33 @@ log = logging.getLogger("cmacc")
 class UsageError(UserError, ValueError):
     """A mistake in what the user asked for (flags, files, devices): the message says which and
     what to do. ``train.py`` prints it as one line and exits 2."""
+
+
+# the oldest Linux driver of each CUDA release (NVIDIA's CUDA toolkit release notes)
+MIN_DRIVER = {"13.0": "580.65.06", "12.9": "575.51.03", "12.8": "570.26", "12.6": "560.28.03",
+              "12.4": "550.54.14", "12.1": "530.30.02", "11.8": "520.61.05"}
+
+
+def cuda_needs() -> str:
+    """What the installed torch needs from the driver and what nvidia-smi found, in words."""
+    import shutil
+    import subprocess
+
+    built = torch.version.cuda
+    need = (f"torch {torch.__version__} is a CPU-only build" if built is None else
+            f"torch {torch.__version__} is built for CUDA {built}, which needs an NVIDIA driver "
+            f">= {MIN_DRIVER.get(built, 'of CUDA ' + built)}")
+    found = "no nvidia-smi on PATH (no NVIDIA driver?)"
+    if shutil.which("nvidia-smi"):
+        try:
+            p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+            drivers = sorted(set(p.stdout.split()))
+            found = (f"driver {', '.join(drivers)}" if p.returncode == 0 and drivers else
+                     f"nvidia-smi fails ({(p.stderr or p.stdout).strip()[:120] or p.returncode})")
+        except (OSError, subprocess.SubprocessError) as e:
+            found = f"nvidia-smi fails ({e})"
+    return f"{need}; found: {found}"
 
 
 class NonFiniteLoss(RuntimeError):
@@ -153,7 +181,6 @@ class Trainer:
         """Train to ``cfg.run.steps`` (resuming per ``cfg.run.resume``); returns the summary
         (rank 0; {} on other ranks). Stopped by SIGTERM/SIGINT: saves, then raises
         ``Interrupted`` (a cut-short run never returns a summary as if it had finished)."""
-        self._repeat_an_agreed_stop()
         try:
             return self._run()
         finally:
@@ -163,6 +190,7 @@ class Trainer:
 
     def _run(self) -> dict:
         with self._process_group(), self._stop_on_signals():
+            self._repeat_an_agreed_stop()
             self._setup()
             try:
                 self._resume_or_init()
@@ -233,11 +261,12 @@ class Trainer:
 
     def _repeat_an_agreed_stop(self) -> None:
         """A torchrun restart of a job whose ranks agreed to stop: the same line and exit code at
-        once, before any process group or work. (The first attempt of a job — a new command,
-        after the fix — removes the record instead: ``_prepare_out``.)"""
+        once, before any work; rank 0 reads the record for every rank (another node's listing
+        may lag behind). (The first attempt of a job — a new command, after the fix — removes
+        the record instead: ``_prepare_out``.)"""
         if not du.elastic_run_id() or du.restart_count() == 0:
             return
-        stop = ckpt.read_stop(self.out, du.elastic_run_id())
+        stop = du.agree(lambda: ckpt.read_stop(self.out, du.elastic_run_id()))
         if stop is None:
             return
         log.info("torchrun restart %d: this job's ranks agreed to stop at step %s; not "
@@ -258,12 +287,14 @@ class Trainer:
         """torchrun sets WORLD_SIZE / RANK / LOCAL_RANK; the group lives for this run only."""
         run = self.cfg.run
         if run.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("device cuda requested but no CUDA device is visible; use --device cpu")
+            raise UsageError(f"device cuda requested but CUDA is not usable: {cuda_needs()}; "
+                             "install for your driver (README, Install: make install CUDA=12) "
+                             "or use --device cpu")
         created = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not du.is_dist():
             if run.device == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            du.init_process_group("nccl" if run.device == "cuda" else "gloo")
+            du.init_process_group("nccl" if run.device == "cuda" else "gloo", run.dist_timeout)
             created = True
             warning = du.shared_store_warning()
             if warning and du.rank() == 0:
@@ -299,11 +330,12 @@ class Trainer:
         cfg = self.cfg
         self.rank, self.world = du.rank(), du.world_size()
         m = cfg.model.batch_size
-        if m % self.world:  # the one world size a run cannot continue at
-            fits = [w for w in range(1, m + 1) if m % w == 0]
+        if m % self.world or m // self.world < 2:  # the world sizes a run cannot continue at
+            fits = [w for w in range(1, m // 2 + 1) if m % w == 0]  # (BatchNorm: 2 clips a rank)
             raise UsageError(f"--batch-size {m} (global M) does not divide over {self.world} "
-                             f"ranks; use a multiple of {self.world} for a new run, or run this "
-                             f"one on a number of ranks that divides {m} ({', '.join(map(str, fits))})")
+                             "ranks into at least 2 clips each (BatchNorm); use a multiple of "
+                             f"{2 * self.world} for a new run, or run this one on a number of "
+                             f"ranks that divides it so ({', '.join(map(str, fits))})")
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
@@ -359,27 +391,53 @@ class Trainer:
         in one line naming the holder, before it reads or writes anything. A torchrun restart
         of this job (a lost rank or node) goes on if the lock is still held: its holder is this
         job's own lost process (a dead node's lock can outlive it on a network filesystem),
-        and a lost node is a pause, not the end."""
-        busy = None
-        if self.rank == 0:
+        and a lost node is a pause, not the end. A lock file that cannot be written (no
+        permission, a full disk) stops every rank in the same line too."""
+        def hold():  # rank 0; every rank raises its error (none waits in a collective)
             try:
                 self.held = hold_folder(out)
             except FolderBusy as e:
-                if du.restart_count():
-                    log.warning("%s; continuing, as torchrun restart %d of this job (the holder "
-                                "is taken to be its own lost process)", e, du.restart_count())
-                else:
-                    busy = str(e)
-        if self.world > 1:  # every rank stops, none waits for rank 0 in a collective
-            flag = du.broadcast_(torch.tensor([float(busy is not None)], device=self.device))
-            if flag.item() and busy is None:
-                busy = f"--out {out} is in use by another run (rank 0 names it)"
-        if busy:
-            raise UsageError(busy)
+                if not du.restart_count():
+                    raise UsageError(str(e)) from None
+                log.warning("%s; continuing, as torchrun restart %d of this job (the holder "
+                            "is taken to be its own lost process)", e, du.restart_count())
+            except FolderLockError as e:
+                raise UsageError(str(e)) from None
+
+        du.agree(hold)
 
     def _find_resume(self):
-        """(path, state) to resume from, or None to start; sets the run id. A folder holds one
-        run: starting afresh where another run's checkpoints are is refused, not overwritten."""
+        """(path, state) to resume from, or None to start; sets the run id. Rank 0 chooses (a
+        lagging NFS listing must not give ranks different checkpoints: they would hang in a
+        collective or diverge) and every rank loads its choice; a rank that cannot read it stops
+        every rank in one line."""
+        chosen = None
+
+        def choose():  # rank 0
+            nonlocal chosen
+            chosen = self._choose_resume()
+            return (str(chosen[0]) if chosen else None,
+                    int(chosen[1]["step"]) if chosen else None, self.run_id)
+
+        path, step, self.run_id = du.agree(choose)
+        why = None
+        if path is not None and self.rank != 0:
+            try:
+                chosen = (Path(path), ckpt.validate(path, ckpt.load(path)))
+                if int(chosen[1]["step"]) != step:
+                    why = f"it holds step {chosen[1]['step']}, not {step}"
+            except Exception as e:  # noqa: BLE001 - said on every rank below
+                why = str(e) if isinstance(e, ValueError) else ckpt.why_unloadable(e)
+        for r, w in enumerate(du.gather_objects(why)):
+            if w is not None:
+                raise UsageError(f"rank {r} cannot read checkpoint {path} that rank 0 chose to "
+                                 f"resume from ({w}); if --out is on a network filesystem that "
+                                 "is still syncing, run the same command again")
+        return chosen
+
+    def _choose_resume(self):
+        """``_find_resume``'s choice, on rank 0. A folder holds one run: starting afresh where
+        another run's checkpoints are is refused, not overwritten."""
         resume, out = self.cfg.run.resume, self.out
         if du.restart_count() and resume != "auto":
             # torchrun restarted the workers of this job: its newest checkpoint is the one to go on from

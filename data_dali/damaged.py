@@ -7,6 +7,11 @@ replaced, named once in OUT/bad_clips.csv and the log, counted; too many stop th
     j = bad.replacement(i, epoch, attempt)     # a usable clip in its place (deterministic)
     bad.record(i, reason)                      # log + CSV once; TooManyBadClips past the limit
 
+Under torchrun each rank appends to a file of its own (``rank_csv``: bad_clips.rank0.csv,
+bad_clips.rank1.csv, ...: appends from several nodes to one file on NFS are not atomic), and
+every rank reads them all, bad_clips.csv included (``listed_clips``): a run resumed at any world
+size names a clip once.
+
 The checks need no decode: the video file is a WebM whose EBML header and Segment size say how
 many bytes it must hold (what prepare wrote: a shorter file is truncated); the log-mel loads,
 has 80 bands and only finite values (a NaN would poison the loss steps later, unnamed). A clip
@@ -15,7 +20,10 @@ pipeline fails and is rebuilt) and goes the same way.
 
 A replacement is drawn from (seed, epoch, clip, attempt) among the loader's clips, so it is the
 same on every run and resume, and its dataset index travels with it: the dictionaries store
-the index of the clip whose keys they hold.
+the index of the clip whose keys they hold. Replacements never give up while a usable clip is
+left (after MAX_TRIES draws, the next clip in order not known to be damaged), so however many
+clips are damaged, the stop is the limit's — which the trainer agrees on over ranks — and not
+one rank's; only a loader whose every clip is damaged stops alone.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import io
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +45,37 @@ log = logging.getLogger("data_dali")
 FIELDS = ["index", "id", "file", "reason"]
 EBML_MAGIC = b"\x1a\x45\xdf\xa3"
 SEGMENT_ID = b"\x18\x53\x80\x67"
-MAX_TRIES = 64  # replacements tried for one sample before giving up (all damaged?)
+MAX_TRIES = 64  # random replacements drawn for one clip before the next usable one in order
+RANK_FILE = re.compile(r"\.rank(\d+)$")  # STEM.rankN: rank N's file
+
+
+def rank_csv(path, rank: int, world: int) -> Path:
+    """The damaged-clips file rank ``rank`` of ``world`` appends to: ``path`` in one process,
+    its sibling ``STEM.rankN.csv`` under torchrun."""
+    path = Path(path)
+    return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+def csv_files(path) -> list[Path]:
+    """The existing damaged-clips files of the run that writes ``path`` (any rank's): the
+    one-process file, then the ranks' by rank."""
+    path = Path(path)
+    first = path.with_name(RANK_FILE.sub("", path.stem) + path.suffix)
+    ranks = {int(m[1]): p for p in first.parent.glob(f"{first.stem}.rank*{first.suffix}")
+             if (m := RANK_FILE.search(p.stem)) and p.stem == f"{first.stem}{m[0]}"}
+    return [p for p in [first, *(ranks[r] for r in sorted(ranks))] if p.is_file()]
+
+
+def listed_clips(path) -> list[dict]:
+    """The rows of every rank's damaged-clips file (``csv_files``), each clip once."""
+    rows, seen = [], set()
+    for f in csv_files(path):
+        with open(f, newline="", encoding="utf-8") as fh:
+            for r in csv.DictReader(fh):
+                if (r.get("index") or "").isdigit() and int(r["index"]) not in seen:
+                    seen.add(int(r["index"]))
+                    rows.append(r)
+    return rows
 
 
 class TooManyBadClips(UserError):
@@ -155,19 +194,22 @@ class BadClips:
             j = self.index[int(rng.integers(len(self.index)))]
             if j != i and j not in self.found:
                 return j
-        raise TooManyBadClips(f"{self.m.file}: no usable clip found to replace clip {i} (are "
-                              "most clips damaged?); re-run `python -m data_dali.prepare`")
+        start = int(rng.integers(len(self.index)))  # most clips are damaged: the next in order
+        for k in range(len(self.index)):
+            j = self.index[(start + k) % len(self.index)]
+            if j != i and j not in self.found:
+                return j
+        raise TooManyBadClips(f"{self.m.file}: every clip is damaged ({len(self.found)} found); "
+                              "re-run `python -m data_dali.prepare`")
 
     def usable(self, i: int, epoch: int) -> int:
         """Clip ``i``, or (when it is damaged: recorded) its replacement for ``epoch``."""
-        for attempt in range(MAX_TRIES):
-            reason = self.check(i)
-            if reason is None:
-                return i
+        attempt = 0
+        while (reason := self.check(i)) is not None:  # each turn finds one more damaged clip
             self.record(i, reason)
             i = self.replacement(i, epoch, attempt)
-        raise TooManyBadClips(f"{self.m.file}: {MAX_TRIES} damaged clips in a row; re-run "
-                              "`python -m data_dali.prepare`")
+            attempt += 1
+        return i
 
     def record(self, i: int, reason: str) -> None:
         """Count clip ``i`` (once per process), log it, add it to bad_clips.csv (once over
@@ -193,7 +235,10 @@ class BadClips:
 
     def limit_message(self, count: int) -> str:
         """The one line of a stop past the limit, for ``count`` damaged clips."""
-        where = f" (listed in {self.csv_path})" if self.csv_path else ""
+        path = self.csv_path  # the same words on every rank: the ranks' files as a pattern
+        if path is not None and RANK_FILE.search(path.stem):
+            path = path.with_name(RANK_FILE.sub(".rank*", path.stem) + path.suffix)
+        where = f" (listed in {path})" if path else ""
         return (f"{self.m.file}: {count} damaged clips, more than --max-bad-clips "
                 f"{self.limit}{where}; re-run `python -m data_dali.prepare` on their sources, or "
                 "raise --max-bad-clips")
@@ -208,13 +253,12 @@ class BadClips:
         return len(self.counted)
 
     def _read_csv(self) -> set[int]:
-        if self.csv_path is None or not self.csv_path.is_file():
+        if self.csv_path is None:
             return set()
-        with open(self.csv_path, newline="", encoding="utf-8") as f:
-            return {int(r["index"]) for r in csv.DictReader(f) if (r.get("index") or "").isdigit()}
+        return {int(r["index"]) for r in listed_clips(self.csv_path)}
 
     def _append(self, row: dict) -> None:
-        """One whole line appended (O_APPEND: the ranks of a run may share the file)."""
+        """One whole line appended to this rank's own file (one writer a file)."""
         if self.csv_path is None:
             return
         buf = io.StringIO()

@@ -25,7 +25,7 @@ import errno
 import os
 import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 # .NAME.tmpPID[SUFFIX] — e.g. .clip.webm.tmp4242.webm
@@ -149,22 +149,56 @@ def sweep_temporaries(folder, recursive: bool = False) -> int:
 LOCK_NAME = ".run.lock"
 
 
-class FolderBusy(RuntimeError):
+class FolderLockError(RuntimeError):
+    """The folder cannot be held (``hold_folder``): its lock file cannot be written; the message
+    says why in one line."""
+
+
+class FolderBusy(FolderLockError):
     """Another live process holds the folder (``hold_folder``); the message names it."""
 
 
-def hold_folder(folder, flag: str = "--out"):
-    """An exclusive lock on ``folder`` for as long as the returned file stays open (close it to
-    let go; the kernel lets go when the process ends, killed or not, so a crashed run never
-    leaves the folder locked). Raises ``FolderBusy`` naming the holder (pid, host, since when)
-    if another process holds it. A filesystem without locks (some network mounts) returns None:
-    the run goes on unguarded rather than not at all."""
+class HeldFolder:
+    """The lock of ``hold_folder``; ``close()`` lets go. The lock belongs to the open file,
+    which a forked child (a loader worker) shares: closing this process's descriptor alone
+    would leave the folder locked for as long as any child lives, so ``close`` unlocks first."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def close(self) -> None:
+        import fcntl
+
+        if self.file.closed:
+            return
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+        finally:
+            self.file.close()
+
+
+def hold_folder(folder, flag: str = "--out") -> HeldFolder | None:
+    """An exclusive lock on ``folder`` until ``close()`` (the kernel lets go when the process
+    and its forked children end, killed or not, so a crashed run never leaves the folder
+    locked; the lock conflicts with any other open, in this process too). Raises ``FolderBusy``
+    naming the holder (pid, host, since when) if another holds it, ``FolderLockError`` if the
+    lock file cannot be written (no permission, a full disk). A filesystem without locks (some
+    network mounts) returns None: the run goes on unguarded rather than not at all."""
     import fcntl
     import socket
     import time
 
     path = Path(folder) / LOCK_NAME
-    f = open(path, "a+", encoding="utf-8")
+
+    def unwritable(e: OSError) -> FolderLockError:
+        return FolderLockError(f"{flag} {folder}: cannot write its lock file {LOCK_NAME} "
+                               f"({write_failure(e, folder)}); fix the folder's permissions or "
+                               f"free space, or pass another {flag}")
+
+    try:
+        f = open(path, "a+", encoding="utf-8")
+    except OSError as e:
+        raise unwritable(e) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -177,9 +211,15 @@ def hold_folder(folder, flag: str = "--out"):
     except OSError:  # ENOLCK / EOPNOTSUPP: no locks on this filesystem
         f.close()
         return None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    return f
+    held = HeldFolder(f)
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+    except OSError as e:  # the lock is let go (closing may fail the same way: unlocked first)
+        with suppress(OSError):
+            held.close()
+        raise unwritable(e) from None
+    return held

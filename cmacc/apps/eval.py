@@ -422,7 +422,10 @@ def main(argv=None):
         p.error(f"--max-bad-clips must be >= 0, got {args.max_bad_clips}")
     setup_logging()
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is visible; use --device cpu")
+        from cmacc.trainer import cuda_needs
+
+        raise UserError(f"--device cuda: CUDA is not usable: {cuda_needs()}; install for your "
+                        "driver (README, Install: make install CUDA=12) or use --device cpu")
     chosen = logging.getLogger("cmacc.checkpoint")  # (its "newest valid checkpoint" line: the
     level, chosen.level = chosen.level, logging.WARNING  # first line below names that file)
     try:

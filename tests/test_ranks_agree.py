@@ -1,0 +1,194 @@
+"""What the ranks of a run must agree on at its start, with 2 CPU ranks (gloo) in forked
+processes: the checkpoint to resume from and an agreed stop are rank 0's choice even where
+another rank's listing lags (NFS); a lock file that cannot be written stops every rank in one
+line; a collective that a rank never joins fails after --dist-timeout; and the --out lock does
+not outlive its run in a forked loader worker."""
+
+import errno
+import os
+import time
+
+import pytest
+
+from cmacc import checkpoint as ckpt
+from cmacc import distributed as du
+from cmacc.config import PRESETS, config_hash
+from cmacc.trainer import Trainer
+from data_dali import fileio
+from ranks import run_ranks
+
+CFG = PRESETS["tiny"]
+
+
+def _trainer(out, **run):
+    t = Trainer(CFG.replace(run=dict(out=str(out), **run)))
+    t.rank, t.world, t.chash = du.rank(), du.world_size(), config_hash(CFG.model, CFG.selection)
+    return t
+
+
+def _hide_from_rank_1(rank, names):
+    """Rank 1's directory listing lags: it does not see ``names`` yet."""
+    if rank == 1:
+        listing = fileio.Path.iterdir
+        fileio.Path.iterdir = lambda p: (q for q in listing(p) if q.name not in names)
+
+
+def test_every_rank_resumes_from_rank_0s_choice_when_its_listing_lags(tmp_path):
+    store = ckpt.Checkpoints(tmp_path, "run1")
+    chash = config_hash(CFG.model, CFG.selection)
+    for step in (2, 4):
+        store.save(dict(model={}, config_hash=chash), step)
+
+    def rank_fn(rank):
+        _hide_from_rank_1(rank, {"ckpt_00000004.pt"})
+        du.init_process_group("gloo", 20)
+        t = _trainer(tmp_path)
+        path, state = t._find_resume()
+        return path.name, int(state["step"]), t.run_id
+
+    assert run_ranks(rank_fn) == [("ok", ("ckpt_00000004.pt", 4, "run1"))] * 2
+
+
+def test_a_rank_that_cannot_read_rank_0s_choice_stops_every_rank_in_one_line(tmp_path):
+    ckpt.Checkpoints(tmp_path, "run1").save(
+        dict(model={}, config_hash=config_hash(CFG.model, CFG.selection)), 2)
+
+    def rank_fn(rank):
+        if rank == 1:  # the file rank 0 chose is not there yet for rank 1
+            ckpt.load = lambda p: (_ for _ in ()).throw(FileNotFoundError(2, "No such file"))
+        du.init_process_group("gloo", 20)
+        _trainer(tmp_path)._find_resume()
+
+    res = run_ranks(rank_fn)
+    assert res[0] == res[1] and res[0][0] == "error", res
+    assert res[0][1].startswith("UsageError: rank 1 cannot read checkpoint ") and \
+        "ckpt_00000002.pt that rank 0 chose" in res[0][1] and "\n" not in res[0][1]
+
+
+def test_a_restart_repeats_rank_0s_agreed_stop_on_every_rank(tmp_path):
+    ckpt.write_stop(tmp_path, "the agreed line", 2, "job7", 5)
+
+    def rank_fn(rank):
+        if rank == 1:  # stopped.json not visible on rank 1's node yet
+            ckpt.read_stop = lambda out, job: None
+        du.init_process_group("gloo", 20)
+        _trainer(tmp_path)._repeat_an_agreed_stop()
+
+    env = dict(TORCHELASTIC_RUN_ID="job7", TORCHELASTIC_RESTART_COUNT="1")
+    assert run_ranks(rank_fn, env=env) == [("error", "UsageError: the agreed line")] * 2
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk (the rest is the real file's)."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def write(self, _text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("fault", ["open", "write"])
+def test_a_lock_file_that_cannot_be_written_stops_every_rank_in_one_line(tmp_path, fault):
+    real_open = open
+
+    def faulty_open(*a, **k):
+        if fault == "open":
+            raise PermissionError(errno.EACCES, "Permission denied", a[0])
+        return _FullDisk(real_open(*a, **k))
+
+    def rank_fn(rank):
+        if rank == 0:
+            fileio.open = faulty_open
+        du.init_process_group("gloo", 10)
+        _trainer(tmp_path)._hold_out(tmp_path)
+
+    res = run_ranks(rank_fn)
+    why = "Permission denied" if fault == "open" else "No space left on device"
+    assert res[0] == res[1] and res[0][0] == "error", res
+    assert res[0][1].startswith(f"UsageError: --out {tmp_path}: cannot write its lock file "
+                                ".run.lock (") and why in res[0][1], res
+    fileio.hold_folder(tmp_path).close()  # the failed write let go of the lock
+
+
+def test_a_collective_a_rank_never_joins_fails_after_dist_timeout(tmp_path):
+    """--dist-timeout reaches the process group: rank 1 is alive but never joins the
+    all-reduce; rank 0 fails after the 1 s set, not torch's 30 minutes (gloo's default)."""
+    def rank_fn(rank):
+        import torch
+        import torch.distributed as dist
+
+        t = Trainer(CFG.replace(run=dict(out=str(tmp_path), dist_timeout=1.0)))
+        with t._process_group():
+            if rank == 1:
+                time.sleep(4)  # (then leaves: a closed connection would fail rank 0 at once)
+                return None
+            t0 = time.perf_counter()
+            try:
+                dist.all_reduce(torch.ones(1))
+            except RuntimeError:
+                return time.perf_counter() - t0
+            return "joined"
+
+    res = run_ranks(rank_fn)
+    assert res[0][0] == "ok" and isinstance(res[0][1], float) and 0.9 < res[0][1] < 3.0, res
+
+
+def test_the_out_lock_does_not_outlive_its_run_in_a_forked_worker(tmp_path):
+    """A loader worker forked while the run holds --out shares the lock (one open file): once
+    the run lets go, the folder is free although the worker still lives."""
+    held = fileio.hold_folder(tmp_path)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: lives on until the test is done with it
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    try:
+        held.close()
+        fileio.hold_folder(tmp_path).close()  # FolderBusy while the worker lives, before the fix
+    finally:
+        os.close(w)
+        os.waitpid(pid, 0)
+
+
+def _stub_manifest(n):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(file="m.csv", rows=[dict(id=f"c{i}", video=f"v{i}.webm", mel="")
+                                               for i in range(n)])
+
+
+def test_each_rank_lists_damaged_clips_in_its_own_file_and_a_resume_reads_them_all(tmp_path):
+    """Appends from several nodes to one file are not atomic on NFS (and each rank wrote a
+    header): one file a rank, one header each; a run resumed at another world size knows every
+    clip listed; the stop's line names the files alike on every rank."""
+    from data_dali.damaged import BadClips, rank_csv
+
+    met = {0: [1, 2], 1: [2, 3]}  # clip 2 met by both ranks
+
+    def rank_fn(rank):
+        du.init_process_group("gloo", 20)
+        bad = BadClips(_stub_manifest(8), list(range(8)), limit=0, stop_past_limit=False,
+                       csv_path=rank_csv(tmp_path / "bad_clips.csv", rank, 2))
+        for i in met[rank]:
+            bad.record(i, "truncated")
+        return bad.limit_message(2)
+
+    lines = run_ranks(rank_fn)
+    assert lines[0] == lines[1] and f"(listed in {tmp_path}/bad_clips.rank*.csv)" in lines[0][1]
+    listed = []
+    for rank in (0, 1):
+        text = (tmp_path / f"bad_clips.rank{rank}.csv").read_text().splitlines()
+        assert text[0] == "index,id,file,reason" and "index,id,file,reason" not in text[1:]
+        rows = [int(row.split(",")[0]) for row in text[1:]]
+        assert set(rows) <= set(met[rank])  # (clip 2 once: a rank reads what another listed)
+        listed += rows
+    assert not (tmp_path / "bad_clips.csv").exists()
+    resumed = BadClips(_stub_manifest(8), list(range(8)), limit=9,
+                       csv_path=rank_csv(tmp_path / "bad_clips.csv", 0, 1))
+    assert resumed.listed == {1, 2, 3} and sorted(listed) == [1, 2, 3]
