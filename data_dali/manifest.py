@@ -16,6 +16,7 @@ the other way).
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import sys
 from functools import lru_cache
@@ -209,6 +210,15 @@ class Manifest:
                 continue
             out.append(i)
         return out
+
+
+def sha256_file(path) -> str:
+    """The SHA-256 of a file's bytes (hex): a manifest's identity, beside its path."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _show(cell, width: int = 40) -> str:

@@ -68,6 +68,23 @@ def test_a_compiled_run_resumes_uncompiled_and_evaluates(tmp_path):
     assert ev.main([str(out), "--modality", "audio"]) == 0
 
 
+def test_a_run_continues_only_on_the_synthetic_clips_it_trained_on(tmp_path, capsys):
+    """Other synthetic clips (--clips 32 after 24) are other data: the resume is refused in
+    one line naming both, before any work; the checkpoint stays as it was."""
+    out = tmp_path / "run"
+    train.main(FAST + ["--steps", "2", "--out", str(out)])
+    before = (out / "ckpt_00000002.pt").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(FAST + ["--clips", "32", "--steps", "3", "--out", str(out)])
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "Traceback" not in err and line.startswith("error: --data")
+    assert "--clips 32" in line and "--clips 24" in line and "ckpt_00000002.pt" in line
+    assert (out / "ckpt_00000002.pt").read_bytes() == before
+    assert not (out / "ckpt_00000003.pt").exists()
+
+
 def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     out = tmp_path / "run"
     train.main(TINY + ["--steps", "5", "--out", str(out)])
