@@ -49,8 +49,8 @@ from data_dali.fileio import FolderBusy, hold_folder, sweep_temporaries, write_f
 from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
-from .config import Config, config_hash
-from .data import train_loader
+from .config import Config, DataConfig, config_hash
+from .data import data_record, describe_data, train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
@@ -202,8 +202,8 @@ class Trainer:
             state = dict(model=self.model.state_dict(), optimizer=self.opt.state_dict(),
                          scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), epoch=self.epoch,
                          batch_in_epoch=self.batch_in_epoch, config_hash=self.chash,
-                         config=self.cfg.to_dict(), world_size=self.world, means=means,
-                         nonfinite=self.nonfinite)
+                         config=self.cfg.to_dict(), data=self.data, world_size=self.world,
+                         means=means, nonfinite=self.nonfinite)
             try:
                 log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
             except Exception as e:  # a full disk (torch: RuntimeError "unexpected pos"), a
@@ -307,6 +307,9 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
+        if not cfg.data.synthetic:  # absolute: eval and export find it from any folder
+            self.cfg = cfg = cfg.replace(data=dict(source=str(Path(cfg.data.source).resolve())))
+        self.data = data_record(cfg.data)  # part of the run's identity (_same_data)
         self._prepare_out()
         self.resume_from = self._find_resume()  # before any work: a refusal costs nothing
         torch.manual_seed(cfg.model.seed)  # identical initial weights on every rank
@@ -408,6 +411,7 @@ class Trainer:
             if state.get("config_hash") != self.chash:
                 raise UsageError(f"checkpoint {path} was made with a different model/selection "
                                  "config; use another --out, or the flags of that run")
+            self._same_data(path, state)
             self.run_id = state.get("run_id") or ckpt.new_run_id()
             return found
         theirs = sorted(p.name for p in out.glob("ckpt_*.pt"))
@@ -424,6 +428,22 @@ class Trainer:
         else:
             self.run_id = ckpt.new_run_id()
         return None
+
+    def _same_data(self, path, state) -> None:
+        """A run goes on with the data it trained on: its dictionaries and pools hold row
+        positions of those clips, and eval and the model card name that data. Another manifest
+        (by absolute path or SHA-256) or other synthetic clips are refused in one line."""
+        if self.data.get("source") != "synthetic" and self.data.get("manifest_sha256") is None:
+            return  # --data names no file: the loader says so, in one line
+        theirs = state.get("data")
+        if not isinstance(theirs, dict):  # written before checkpoints recorded their data
+            theirs = data_record(DataConfig(**state["config"]["data"]))
+        if theirs != self.data:
+            raise UsageError(
+                f"--data {describe_data(self.data)}: checkpoint {path} was trained on "
+                f"{describe_data(theirs)}; its dictionaries and pools hold row positions of that "
+                "data, so it continues only on it: pass that --data, or start a new run on this "
+                "data in another --out")
 
     def _resume_or_init(self):
         cfg, model = self.cfg, self.model
