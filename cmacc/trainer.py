@@ -208,12 +208,14 @@ class Trainer:
                 log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
             except Exception as e:  # a full disk (torch: RuntimeError "unexpected pos"), a
                 error = e  # vanished folder: the temporary is gone, the previous one stays
-        if self.world > 1:
-            failed = torch.tensor([float(error is not None)], device=self.device)
-            dist.broadcast(failed, 0)
-            if failed.item() and error is None:
+        if self.world > 1:  # rank 0 tells every rank the file it wrote (None: it failed)
+            told = [str(self.store.last) if self.rank == 0 and error is None else None]
+            dist.broadcast_object_list(told, 0)
+            if told[0] is None and error is None:
                 raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
                                  f"in {self.out} (its log says why); resume with --resume auto")
+            if told[0] is not None:  # each rank's stop line names the checkpoint
+                self.store.last = Path(told[0])
         if error is not None:
             raise self._write_error(f"the checkpoint of step {self.step}", error) from None
 
