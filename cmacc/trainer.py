@@ -125,6 +125,18 @@ def fill_epoch_pools(model, loader, device, epoch):
     model.pool_a.fill(ka, idx)
 
 
+def first_selecting_step(cfg: Config) -> int | None:
+    """The first step (1-based) at which the sampler selects the negatives (None: never, as
+    XMoCo and SMoCo do not select). A rolling pool must first hold the dictionary plus a batch,
+    min(N, K + M) keys, at M keys a step (cmacc/model.py); an epoch pool is filled at once."""
+    sel, m = cfg.selection, cfg.model
+    if sel.sampler == "random" or m.objective != "cross":
+        return None
+    if sel.pool_mode == "epoch":
+        return 1
+    return -(-min(sel.pool_size, m.dict_size + m.batch_size) // m.batch_size) + 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
@@ -186,8 +198,10 @@ class Trainer:
                     "command again to continue from it (--resume auto)", self.signum)
             if self.rank != 0:
                 return {}
+            first = first_selecting_step(self.cfg)
             try:
-                return summarise(self.out, self.model.method)
+                return summarise(self.out, self.model.method, selected_steps=0 if first is None
+                                 else max(0, self.step - first + 1))
             except OSError as e:
                 raise self._write_error("summary.json", e) from None
 
@@ -482,9 +496,27 @@ class Trainer:
             log.info("%s | run %s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", model.method,
                      self.run_id, self.device, self.world, cfg.model.batch_size,
                      cfg.model.dict_size, cfg.selection.pool_size, cfg.optim.amp, self.out)
+            self._warn_selection()
             self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
                             dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.t0, self.waited = time.perf_counter(), 0.0
+
+    def _warn_selection(self) -> None:
+        """A run named CM-ACC (or another selecting sampler) that would never select, and a
+        dictionary larger than the dataset, are said at the start, with the fix."""
+        cfg, first = self.cfg, first_selecting_step(self.cfg)
+        m, k, n = cfg.model.batch_size, cfg.model.dict_size, cfg.selection.pool_size
+        if first is not None and first > cfg.run.steps:
+            log.warning("--sampler %s selects from step %d (its rolling pool must first hold "
+                        "min(N, K + M) = %d keys at M = %d a step), after the last step %d: this "
+                        "run never selects and trains as XMoCo; pass more --steps, a smaller "
+                        "--dict-size, or --pool-mode epoch", cfg.selection.sampler, first,
+                        min(n, k + m), m, cfg.run.steps)
+        clips = getattr(self.loader, "num_clips", None)
+        if clips is not None and k > clips:
+            log.warning("--dict-size %d is larger than the dataset (%d clips): the dictionary "
+                        "holds clips more than once, a batch's own positives included; pass a "
+                        "--dict-size below %d, or more data", k, clips, clips)
 
     def _log_world_change(self, was: int) -> None:
         """One line: what a resume on another number of ranks re-derived, and what continues."""
