@@ -186,6 +186,23 @@ def test_a_run_records_its_manifest_by_absolute_path_and_hash_and_continues_only
     assert not (tmp_path / "run" / "ckpt_00000002.pt").exists()
 
 
+def test_an_audio_only_dataset_points_at_the_audio_encoder(tiny_run, data_copy, capsys):
+    """Labelled clips with audio but none with video (spoken digits): the video probe's line
+    names the fix, --modality audio."""
+    with data_copy.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with data_copy.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(dict(r, video="") for r in rows)
+    with pytest.raises(SystemExit) as e:
+        ev.main([str(tiny_run), "--data", str(data_copy), "--modality", "video"])
+    line, err = _errline(capsys)
+    assert e.value.code == 2 and len(err) == 1
+    assert "no labelled clips with video, but labelled clips with audio" in line
+    assert line.endswith("(--modality audio)")
+
+
 def _git_head():
     from cmacc.apps import ROOT
 

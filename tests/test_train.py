@@ -141,7 +141,8 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_run_lets_go_when_it_en
 
 @pytest.mark.parametrize("argv,msg", [
     (["--sampler", "nope"], "invalid choice"),
-    (["--dict-size", "4"], "dict_size"),
+    (["--dict-size", "4"], "--dict-size K=4 must be >= --batch-size M=16"),
+    (["--batch-size", "0"], "error: --batch-size must be >= 1"),  # flags, not config fields
     (["--steps", "0"], "steps must be"),
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),
