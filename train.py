@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -128,6 +129,22 @@ def build_parser() -> ArgumentParser:
     return p
 
 
+FIELD_FLAGS = {dest.split(".")[1]: flag for group in FLAGS.values() for flag, dest, kw in group
+               if kw.get("action") != "store_const"}  # batch_size -> --batch-size, source -> --data
+
+
+def in_flag_terms(message: str) -> str:
+    """A config dataclass's message in the command line's words: the field it starts with, and
+    every snake_case field in it, become their flags ("batch_size must be >= 1" -> "--batch-size
+    must be >= 1"), unless the message names the flag already."""
+    def flag(m):
+        word = m.group(0)
+        if (m.start() == 0 or "_" in word) and FIELD_FLAGS.get(word, "--") not in message:
+            return FIELD_FLAGS.get(word, word)
+        return word
+    return re.sub(r"\b[a-z][a-z0-9_]*\b", flag, message)
+
+
 def _with_defaults(dest: str, kw: dict) -> dict:
     """``kw`` with the presets' values of the field appended to its help ("tiny: 32, paper:
     128"), so --help never states a default that the preset in use does not have."""
@@ -199,7 +216,7 @@ def main(argv=None) -> int:
     try:
         cfg = config_from_args(args)
     except ValueError as e:  # a dataclass rejected a value: the message names the field
-        raise UserError(str(e)) from None
+        raise UserError(in_flag_terms(str(e))) from None
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
     check_warmup(cfg, args.preset, given=getattr(args, "optim.warmup") is not None)
     try:

@@ -10,6 +10,7 @@ import torch
 
 import data_dali
 from data_dali.damaged import rank_csv
+from data_dali.manifest import sha256_file
 from data_dali.synthetic import ToyAV, ToyLoader, held_out
 
 from .config import DataConfig
@@ -20,6 +21,29 @@ def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
     return ToyAV(num_clips=dcfg.clips, num_classes=dcfg.classes, frames=dcfg.frames,
                  size=dcfg.size, redundancy=dcfg.redundancy, noise=dcfg.noise,
                  class_dist=dcfg.class_dist, seed=seed)
+
+
+SYNTHETIC_FIELDS = ("clips", "classes", "redundancy", "noise", "class_dist")  # what makes the clips
+
+
+def data_record(dcfg: DataConfig) -> dict:
+    """What a run trains on, as its checkpoints record it: a manifest's absolute path and the
+    SHA-256 of its bytes, or the synthetic clips with what makes them. A run's dictionaries
+    and pools hold row positions of these clips: a resume on other data is refused."""
+    if dcfg.synthetic:
+        return {"source": "synthetic", **{k: getattr(dcfg, k) for k in SYNTHETIC_FIELDS}}
+    p = Path(dcfg.source).resolve()
+    return {"source": str(p), "manifest_sha256": sha256_file(p) if p.is_file() else None}
+
+
+def describe_data(record: dict) -> str:
+    """A data record in words: the manifest and its hash's first 12 digits, or the synthetic
+    clips' settings."""
+    if record.get("source") != "synthetic":
+        digest = record.get("manifest_sha256")
+        return f"{record.get('source')}" + (f" (sha256 {digest[:12]})" if digest else "")
+    return "synthetic (" + ", ".join(f"--{k.replace('_', '-')} {record[k]}"
+                                     for k in SYNTHETIC_FIELDS if k in record) + ")"
 
 
 def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0, world: int = 1,

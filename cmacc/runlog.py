@@ -183,9 +183,10 @@ class RunLogger:
             self.tb.close()
 
 
-def summarise(out, method: str) -> dict:
-    """OUT/summary.json (means over the first and last quarter of OUT/metrics.csv's rows) and
-    OUT/metrics.png. Read from the CSV, so a resumed run summarises its whole history."""
+def summarise(out, method: str, **extra) -> dict:
+    """OUT/summary.json (means over the first and last quarter of OUT/metrics.csv's rows, and
+    ``extra``) and OUT/metrics.png. Read from the CSV, so a resumed run summarises its whole
+    history."""
     out = Path(out)
     path = out / "metrics.csv"
     rows = [{k: float(v) if v not in ("", None) else NAN for k, v in r.items()}
@@ -205,7 +206,7 @@ def summarise(out, method: str) -> dict:
                    coverage_last=mean(last, "coverage"),
                    clips_per_s=mean(last, "clips_per_s"),
                    data_wait_share=mean(rows, "data_wait"),  # of the wall time, whole run
-                   out=str(out))
+                   out=str(out), **extra)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     try:
         plot_metrics({method: str(path)}, out / "metrics.png")

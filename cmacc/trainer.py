@@ -50,8 +50,8 @@ from data_dali.fileio import (FolderBusy, FolderLockError, hold_folder, sweep_te
 from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
-from .config import Config, config_hash
-from .data import clip_fetcher, train_loader
+from .config import Config, DataConfig, config_hash
+from .data import clip_fetcher, data_record, describe_data, train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
@@ -153,6 +153,18 @@ def fill_epoch_pools(model, loader, device, epoch):
     model.pool_a.fill(ka, idx)
 
 
+def first_selecting_step(cfg: Config) -> int | None:
+    """The first step (1-based) at which the sampler selects the negatives (None: never, as
+    XMoCo and SMoCo do not select). A rolling pool must first hold the dictionary plus a batch,
+    min(N, K + M) keys, at M keys a step (cmacc/model.py); an epoch pool is filled at once."""
+    sel, m = cfg.selection, cfg.model
+    if sel.sampler == "random" or m.objective != "cross":
+        return None
+    if sel.pool_mode == "epoch":
+        return 1
+    return -(-min(sel.pool_size, m.dict_size + m.batch_size) // m.batch_size) + 1
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
@@ -214,8 +226,10 @@ class Trainer:
                     "command again to continue from it (--resume auto)", self.signum)
             if self.rank != 0:
                 return {}
+            first = first_selecting_step(self.cfg)
             try:
-                return summarise(self.out, self.model.method)
+                return summarise(self.out, self.model.method, selected_steps=0 if first is None
+                                 else max(0, self.step - first + 1))
             except OSError as e:
                 raise self._write_error("summary.json", e) from None
 
@@ -230,18 +244,20 @@ class Trainer:
             state = dict(model=self.model.state_dict(), optimizer=self.opt.state_dict(),
                          scaler=self.scaler.state_dict(), rng=ckpt.rng_state(), epoch=self.epoch,
                          batch_in_epoch=self.batch_in_epoch, config_hash=self.chash,
-                         config=self.cfg.to_dict(), world_size=self.world, means=means,
-                         nonfinite=self.nonfinite)
+                         config=self.cfg.to_dict(), data=self.data, world_size=self.world,
+                         means=means, nonfinite=self.nonfinite)
             try:
                 log.info("checkpoint (%s): %s", reason, self.store.save(state, self.step))
             except Exception as e:  # a full disk (torch: RuntimeError "unexpected pos"), a
                 error = e  # vanished folder: the temporary is gone, the previous one stays
-        if self.world > 1:
-            failed = torch.tensor([float(error is not None)], device=self.device)
-            dist.broadcast(failed, 0)
-            if failed.item() and error is None:
+        if self.world > 1:  # rank 0 tells every rank the file it wrote (None: it failed)
+            told = [str(self.store.last) if self.rank == 0 and error is None else None]
+            dist.broadcast_object_list(told, 0)
+            if told[0] is None and error is None:
                 raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
                                  f"in {self.out} (its log says why); resume with --resume auto")
+            if told[0] is not None:  # each rank's stop line names the checkpoint
+                self.store.last = Path(told[0])
         if error is not None:
             raise self._write_error(f"the checkpoint of step {self.step}", error) from None
 
@@ -339,6 +355,9 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
+        if not cfg.data.synthetic:  # absolute: eval and export find it from any folder
+            self.cfg = cfg = cfg.replace(data=dict(source=str(Path(cfg.data.source).resolve())))
+        self.data = data_record(cfg.data)  # part of the run's identity (_same_data)
         self._prepare_out()
         self.resume_from = self._find_resume()  # before any work: a refusal costs nothing
         torch.manual_seed(cfg.model.seed)  # identical initial weights on every rank
@@ -468,6 +487,7 @@ class Trainer:
             if state.get("config_hash") != self.chash:
                 raise UsageError(f"checkpoint {path} was made with a different model/selection "
                                  "config; use another --out, or the flags of that run")
+            self._same_data(path, state)
             self.run_id = state.get("run_id") or ckpt.new_run_id()
             return found
         theirs = sorted(p.name for p in out.glob("ckpt_*.pt"))
@@ -484,6 +504,22 @@ class Trainer:
         else:
             self.run_id = ckpt.new_run_id()
         return None
+
+    def _same_data(self, path, state) -> None:
+        """A run goes on with the data it trained on: its dictionaries and pools hold row
+        positions of those clips, and eval and the model card name that data. Another manifest
+        (by absolute path or SHA-256) or other synthetic clips are refused in one line."""
+        if self.data.get("source") != "synthetic" and self.data.get("manifest_sha256") is None:
+            return  # --data names no file: the loader says so, in one line
+        theirs = state.get("data")
+        if not isinstance(theirs, dict):  # written before checkpoints recorded their data
+            theirs = data_record(DataConfig(**state["config"]["data"]))
+        if theirs != self.data:
+            raise UsageError(
+                f"--data {describe_data(self.data)}: checkpoint {path} was trained on "
+                f"{describe_data(theirs)}; its dictionaries and pools hold row positions of that "
+                "data, so it continues only on it: pass that --data, or start a new run on this "
+                "data in another --out")
 
     def _resume_or_init(self):
         cfg, model = self.cfg, self.model
@@ -520,9 +556,27 @@ class Trainer:
             log.info("%s | run %s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", model.method,
                      self.run_id, self.device, self.world, cfg.model.batch_size,
                      cfg.model.dict_size, cfg.selection.pool_size, cfg.optim.amp, self.out)
+            self._warn_selection()
             self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
                             dynamic_ncols=True, disable=not sys.stderr.isatty())
         self.t0, self.waited = time.perf_counter(), 0.0
+
+    def _warn_selection(self) -> None:
+        """A run named CM-ACC (or another selecting sampler) that would never select, and a
+        dictionary larger than the dataset, are said at the start, with the fix."""
+        cfg, first = self.cfg, first_selecting_step(self.cfg)
+        m, k, n = cfg.model.batch_size, cfg.model.dict_size, cfg.selection.pool_size
+        if first is not None and first > cfg.run.steps:
+            log.warning("--sampler %s selects from step %d (its rolling pool must first hold "
+                        "min(N, K + M) = %d keys at M = %d a step), after the last step %d: this "
+                        "run never selects and trains as XMoCo; pass more --steps, a smaller "
+                        "--dict-size, or --pool-mode epoch", cfg.selection.sampler, first,
+                        min(n, k + m), m, cfg.run.steps)
+        clips = getattr(self.loader, "num_clips", None)
+        if clips is not None and k > clips:
+            log.warning("--dict-size %d is larger than the dataset (%d clips): the dictionary "
+                        "holds clips more than once, a batch's own positives included; pass a "
+                        "--dict-size below %d, or more data", k, clips, clips)
 
     def _log_world_change(self, was: int) -> None:
         """One line: what a resume on another number of ranks re-derived, and what continues."""

@@ -371,6 +371,12 @@ class EvalSplits:
         if folds or columns:
             return out
         if not ok:
+            other = "audio" if need_v else "video"
+            if any(labels[i] >= 0 for i in self.m.select(need_video=not need_v,
+                                                          need_audio=not need_a)):
+                raise ManifestError(f"{self.m.file}: no labelled clips with {self.modality}, but "
+                                    f"labelled clips with {other}; evaluate the {other} encoder "
+                                    f"(--modality {other})")
             raise ManifestError(f"{self.m.file}: no labelled clips with {self.modality}; a probe "
                                 "needs labels (prepare SRC/<class>/<files> or a --list with labels)")
         tr, te = held_out_split(labels, self.seed, ok)

@@ -16,6 +16,7 @@ the other way).
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 import sys
 from functools import lru_cache
@@ -95,6 +96,13 @@ class Manifest:
             problem = self._problem(r, cap) or self._duplicate(r, seen, lines[i])
             if problem:
                 bad.append(f"line {lines[i]} (id {_show(r.get('id'))}): {problem}")
+        if bad and len(bad) == len(self.rows) and all(b.endswith("is missing") for b in bad):
+            raise ManifestError(  # a manifest copied out of its dataset folder
+                f"{path}: none of its {len(bad)} clip files is found ({bad[0]}): its paths are "
+                f"relative to the manifest's own folder, {self.root}. Keep the manifest in its "
+                "dataset folder, pass the dataset's own manifest.csv, or write one in a folder "
+                "that holds the clips with `python -m data_dali.manifest_tools subset "
+                "DATASET/manifest.csv --out FOLDER/NAME.csv` (it rewrites the paths)")
         if bad:
             more = f" (and {len(bad) - SHOWN} more)" if len(bad) > SHOWN else ""
             raise ManifestError(f"{path}: {len(bad)} bad row(s) of {len(self.rows)}: "
@@ -209,6 +217,15 @@ class Manifest:
                 continue
             out.append(i)
         return out
+
+
+def sha256_file(path) -> str:
+    """The SHA-256 of a file's bytes (hex): a manifest's identity, beside its path."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _show(cell, width: int = 40) -> str:

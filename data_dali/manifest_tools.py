@@ -107,7 +107,10 @@ def subset(m: Manifest, *, classes=None, drop_classes=None, split=None, fraction
     manifest's order."""
     if not 0.0 < fraction <= 1.0:
         raise UserError(f"--fraction {fraction}: use a number in (0, 1]")
-    col_val = parse_split(split)
+    try:
+        col_val = parse_split(split)
+    except ValueError as e:
+        raise UserError(f"--split {e}; see the splits of {m.file} with `stats`") from None
     if col_val and col_val[0] not in m.rows[0]:
         raise UserError(f"--split {split}: {m.file} has no column {col_val[0]!r}; splits are "
                         "split1..split3 (train/test) or fold (see `stats`)")

@@ -84,15 +84,19 @@ def test_batch_must_divide_over_ranks(tmp_path):
     assert p.returncode != 0 and "does not divide over 2 ranks" in p.stderr
 
 
-def _terminate_once_training(cmd, out, **popen):
-    """Start ``cmd``, SIGTERM it 2 s after its first metrics row; (returncode, stderr)."""
+def _terminate_once_training(cmd, out, ctrl_c=False, **popen):
+    """Start ``cmd``, SIGTERM it 2 s after its first metrics row (``ctrl_c``: SIGINT to its
+    whole process group, as a terminal's Ctrl-C does); (returncode, stderr)."""
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, **popen)
+                         stderr=subprocess.PIPE, text=True, start_new_session=ctrl_c, **popen)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "metrics.csv").exists():
         time.sleep(0.5)
     time.sleep(2)
-    p.send_signal(signal.SIGTERM)
+    if ctrl_c:
+        os.killpg(p.pid, signal.SIGINT)
+    else:
+        p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     found = ckpt.find_latest_valid(out)
     assert found is not None and 0 < found[1]["step"] < 100000, err[-3000:]
@@ -109,13 +113,22 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert "stop signal" in err
 
 
-def test_sigterm_to_torchrun_saves_on_every_rank(tmp_path):
-    """torchrun forwards SIGTERM to its workers: they agree to stop after the same step, save
-    and exit cleanly (torchrun itself then exits 1: its agent re-raises the signal)."""
-    _, err = _terminate_once_training(TORCHRUN + [*LONG_RUN, str(tmp_path / "run")],
-                                      tmp_path / "run", start_new_session=True)
+def test_ctrl_c_on_torchrun_saves_on_every_rank_and_each_names_the_checkpoint(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group: torchrun and its workers; torchrun's
+    agent forwards it too, as it forwards SIGTERM): the ranks agree to stop after the same
+    step, rank 0 saves, and each rank says so in one line naming that checkpoint, exit 0.
+    torchrun itself then ends as README says: its agent re-raises the signal as a
+    SignalException (a traceback of torchrun's own), exit 1."""
+    out = tmp_path / "run"
+    rc, err = _terminate_once_training(TORCHRUN + [*LONG_RUN, str(out)], out, ctrl_c=True)
     assert "checkpoint (stop signal)" in err, err[-3000:]
     assert "[rank0]" not in err and "[rank1]" not in err, err[-3000:]  # no worker traceback
+    path, state = ckpt.find_latest_valid(out)
+    said = [ln for ln in err.splitlines() if ln.startswith("interrupted; stopped by SIGINT")]
+    assert len(said) == 2, err[-3000:]  # one line per rank, each naming the file on disk
+    assert all(f"after step {state['step']} of" in ln and f"checkpoint {path} kept" in ln
+               for ln in said), said
+    assert rc == 1 and "SignalException: Process" in err and "got signal: 2" in err, err[-3000:]
 
 
 def test_a_failed_save_on_rank_0_stops_every_rank(tmp_path):

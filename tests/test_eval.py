@@ -93,6 +93,7 @@ def _pretrained_on(tiny_run, manifest, dest):
     src = sorted(tiny_run.glob("ckpt_*.pt"))[-1]
     state = ckpt.load(src)
     state["config"]["data"]["source"] = str(manifest)
+    state["data"] = {"source": str(manifest.resolve()), "manifest_sha256": _sha(manifest)}
     ckpt.save_atomic(state, dest / src.name)
     return dest
 
@@ -138,6 +139,68 @@ def test_a_run_pretrained_on_a_manifest_is_evaluated_on_it_and_says_so(tiny_run,
     line, err = _errline(capsys)
     assert e.value.code == 2 and len(err) == 1
     assert line.startswith("error: --data: ") and "not there now" in line and str(data_copy) in line
+
+
+def test_a_run_records_its_manifest_by_absolute_path_and_hash_and_continues_only_on_it(
+        data_copy, tmp_path, monkeypatch, capsys):
+    """--data typed relative: the checkpoint, eval and the model card name the manifest by
+    its absolute path and SHA-256, so eval from another folder finds it; the same clips in
+    another row order (the dictionaries' indices would point at other clips) are refused, by
+    train.py in one line naming both hashes and by eval of the run's own data."""
+    import train
+    from cmacc import checkpoint as ckpt
+    from cmacc.apps import export as ex
+
+    monkeypatch.chdir(data_copy.parent.parent)
+    small = ["--preset", "tiny", "--batch-size", "4", "--dict-size", "8", "--pool-size", "16",
+             "--data", "data/manifest.csv", "--loader", "reference", "--workers", "0",
+             "--out", "run"]
+    train.main(small + ["--steps", "1"])
+    sha = _sha(data_copy)
+    state = ckpt.load(tmp_path / "run" / "ckpt_00000001.pt")
+    assert state["data"] == {"source": str(data_copy.resolve()), "manifest_sha256": sha}
+    assert state["config"]["data"]["source"] == str(data_copy.resolve())
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert ev.main(["../run", "--modality", "audio"]) == 0
+    assert "the run's own pretraining data" in capsys.readouterr().err
+    assert ex.main(["../run", "--out", "../exported"]) == 0
+    card = json.loads((tmp_path / "exported" / "model_card.json").read_text())
+    assert card["data"] == {"source": str(data_copy.resolve()), "manifest_sha256": sha}
+    assert card["checkpoint"] == str(tmp_path / "run" / "ckpt_00000001.pt")
+
+    header, *rows = data_copy.read_text().splitlines(keepends=True)
+    data_copy.write_text(header + "".join(rows[::-1]))  # the same clips, other row positions
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["../run", "--modality", "audio"])
+    line, err = _errline(capsys)
+    assert e.value.code == 2 and len(err) == 1 and "has changed since" in line
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        train.main(small + ["--steps", "2"])
+    line, err = _errline(capsys)
+    assert e.value.code == 2 and len(err) == 1
+    assert sha[:12] in line and _sha(data_copy)[:12] in line and "ckpt_00000001.pt" in line
+    assert not (tmp_path / "run" / "ckpt_00000002.pt").exists()
+
+
+def test_an_audio_only_dataset_points_at_the_audio_encoder(tiny_run, data_copy, capsys):
+    """Labelled clips with audio but none with video (spoken digits): the video probe's line
+    names the fix, --modality audio."""
+    with data_copy.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with data_copy.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(dict(r, video="") for r in rows)
+    with pytest.raises(SystemExit) as e:
+        ev.main([str(tiny_run), "--data", str(data_copy), "--modality", "video"])
+    line, err = _errline(capsys)
+    assert e.value.code == 2 and len(err) == 1
+    assert "no labelled clips with video, but labelled clips with audio" in line
+    assert line.endswith("(--modality audio)")
 
 
 def _git_head():

@@ -101,7 +101,9 @@ def test_cli_on_a_tiny_run_writes_weights_only_files_and_a_model_card(tiny_run, 
     assert card["encoders"] == "query"
     assert card["config"]["model"]["video_width"] == 8
     assert card["video"]["torchvision"] is False  # the tiny preset is a scaled copy
-    assert card["data"] == {"source": "synthetic"}
+    assert card["data"]["source"] == "synthetic"  # what made tiny_run's clips
+    assert (card["data"]["clips"], card["data"]["classes"]) == (96, 6)
+    assert card["checkpoint"] == str((tiny_run / "ckpt_00000006.pt").resolve())
     import hashlib
 
     for name, digest in card["sha256"].items():

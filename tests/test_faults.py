@@ -278,10 +278,10 @@ def _bad_command_lines(tmp_path):
         (["--lr", "nan", "--out", out], "lr must be"),
         (["--tau", "inf", "--out", out], "tau must be a number <= 1000"),
         (["--seed", "99999999999999999999", "--out", out], "seed must be in [0, 2147483648)"),
-        (["--video-width", "1000000000", "--out", out], "video_width must be a number <= 4096"),
-        (["--pool-size", "99999999999", "--out", out], "pool_size must be a number"),
+        (["--video-width", "1000000000", "--out", out], "--video-width must be a number <= 4096"),
+        (["--pool-size", "99999999999", "--out", out], "--pool-size must be a number"),
         (["--keep", "0", "--out", out], "keep must be >= 1"),
-        (["--dict-size", "4", "--out", out], "dict_size"),
+        (["--dict-size", "4", "--out", out], "--dict-size K=4"),
         (["--data", str(tmp_path / "nope.csv"), "--out", out], "nope.csv"),
         (["--sampler", "nope", "--out", out], "invalid choice"),
     ]

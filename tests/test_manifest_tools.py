@@ -5,8 +5,10 @@ data_dali.manifest_tools stats|subset|merge`` against hand-built manifests and h
 import csv
 import json
 import random
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +172,21 @@ def test_subset_mistakes_are_one_line(tmp_path, capsys):
     _fails(["subset", str(path), "--classes", "dog", "--split", "test", "--out", out], capsys,
            "no clip is left")
     _fails(["stats", str(tmp_path / "nope")], capsys, "no manifest")
+    _fails(["subset", str(path), "--split", "validation", "--out", out], capsys,
+           "--split split 'validation': use 'train'/'test'")
+
+
+def test_a_manifest_copied_out_of_its_folder_says_why_and_how(tmp_path, capsys):
+    """Every clip missing: the line says that paths are relative to the manifest's folder and
+    how to write a manifest elsewhere, not "re-run prepare"."""
+    path = _hand_built(tmp_path / "d", HAND, HAND_EXTRA)
+    (tmp_path / "elsewhere").mkdir()
+    moved = Path(shutil.copy(path, tmp_path / "elsewhere" / "manifest.csv"))
+    _fails(["stats", str(moved)], capsys, "relative to the manifest's own folder",
+           str(tmp_path / "elsewhere"), "manifest_tools subset")
+    with pytest.raises(SystemExit):
+        mt.main(["stats", str(moved)])
+    assert "re-run" not in capsys.readouterr().err
 
 
 def test_a_duplicated_id_is_still_one_clear_error(tmp_path):

@@ -147,6 +147,8 @@ def test_glyphs_take_the_largest_alphabets_whole(tmp_path):
                 Image.new("L", (8, 8), 255 - 40 * c).save(base / name / f"character{c:02d}" / f"{d}.png")
     g = mi.Glyphs(tmp_path, max_alphabets=2)
     assert g.names == ["B_large", "C_mid"] and g.sizes == [4, 3]
+    for folder in (tmp_path / "omniglot-py", base):  # --omniglot omniglot-py is taken as well
+        assert mi.Glyphs(folder, max_alphabets=2).names == g.names
 
 
 def test_missing_omniglot_is_a_clear_error(tmp_path):

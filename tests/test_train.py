@@ -100,6 +100,43 @@ def test_a_compiled_run_resumes_uncompiled_and_evaluates(tmp_path):
     assert ev.main([str(out), "--modality", "audio"]) == 0
 
 
+def test_a_run_continues_only_on_the_synthetic_clips_it_trained_on(tmp_path, capsys):
+    """Other synthetic clips (--clips 32 after 24) are other data: the resume is refused in
+    one line naming both, before any work; the checkpoint stays as it was."""
+    out = tmp_path / "run"
+    train.main(FAST + ["--steps", "2", "--out", str(out)])
+    before = (out / "ckpt_00000002.pt").read_bytes()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(FAST + ["--clips", "32", "--steps", "3", "--out", str(out)])
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "Traceback" not in err and line.startswith("error: --data")
+    assert "--clips 32" in line and "--clips 24" in line and "ckpt_00000002.pt" in line
+    assert (out / "ckpt_00000002.pt").read_bytes() == before
+    assert not (out / "ckpt_00000003.pt").exists()
+
+
+@pytest.mark.parametrize("steps", [3, 6])
+def test_a_run_says_when_its_sampler_selects_and_records_the_steps_that_did(tmp_path, capsys,
+                                                                            steps):
+    """FAST: M = 4, K = 8, N = 16, 24 clips. The rolling pool holds K + M = 12 keys after 3
+    steps, so CM-ACC selects from step 4: a 3-step run is warned at its start that it never
+    selects; summary.json counts the steps that selected, as metrics.csv's per-step `active`
+    flags show them. A dictionary larger than the dataset is warned too."""
+    out = tmp_path / "run"
+    train.main(FAST + ["--steps", str(steps), "--sampler", "active", "--out", str(out)])
+    err = capsys.readouterr().err
+    active = [float(r["active"]) for r in _rows(out)]  # one row a step (--log-every 1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(active) == steps and summary["selected_steps"] == sum(active)
+    assert ("never selects" in err) == (sum(active) == 0) == (steps == 3), err
+    assert "larger than the dataset" not in err
+    if steps == 3:
+        train.main(FAST + ["--steps", "1", "--dict-size", "32", "--pool-size", "40", "--out", str(tmp_path / "k")])
+        assert "--dict-size 32 is larger than the dataset (24 clips)" in capsys.readouterr().err
+
+
 def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
     out = tmp_path / "run"
     train.main(TINY + ["--steps", "5", "--out", str(out)])
@@ -136,7 +173,8 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_run_lets_go_when_it_en
 
 @pytest.mark.parametrize("argv,msg", [
     (["--sampler", "nope"], "invalid choice"),
-    (["--dict-size", "4"], "dict_size"),
+    (["--dict-size", "4"], "--dict-size K=4 must be >= --batch-size M=16"),
+    (["--batch-size", "0"], "error: --batch-size must be >= 1"),  # flags, not config fields
     (["--steps", "0"], "steps must be"),
     (["--objective", "smoco", "--sampler", "active"], "random sampling"),
     (["--class-dist", "zipf:-1"], "--class-dist (class_dist) 'zipf:-1': expected 'uniform' or"),

@@ -16,11 +16,11 @@ exit 2 (``--debug`` keeps the traceback), checked before the first minute of wor
 from __future__ import annotations
 
 import argparse
-import hashlib
 import subprocess
 from pathlib import Path
 
 from data_dali.cli import UserError, output_folder
+from data_dali.manifest import sha256_file  # noqa: F401 - the apps' one SHA-256 helper
 
 
 def positive_int(text: str) -> int:
@@ -44,15 +44,6 @@ def output_file(path, flag: str = "--out") -> Path:
 
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def sha256_file(path) -> str:
-    """The SHA-256 of a file's bytes (hex)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def git_commit() -> str | None:

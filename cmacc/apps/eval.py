@@ -92,7 +92,7 @@ def load_pretrained(path, state=None) -> tuple[CMACC, dict]:
     except (RuntimeError, TypeError) as e:
         raise CheckpointError(f"{p}: its weights do not match its own config "
                               f"({first_line(e, 160)}); {_FIX}") from None
-    state["file"] = p
+    state["file"] = p.resolve()  # absolute: results and model cards name it from anywhere
     return model, state
 
 
@@ -120,7 +120,7 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
         enc = model.f_v if modality == "video" else model.f_a
         return enc.backbone, {
             "cfg": state["cfg"], "file": state["file"], "step": int(state["step"]),
-            "modality": modality, "data": state["cfg"].data.source,
+            "modality": modality, "data": recorded_data(state),
             "encoder": f"the {modality} query encoder of {state['file']} (step {state['step']})"}
     try:
         backbone, found = load_audio_encoder(p), "audio"
@@ -155,10 +155,10 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise CheckpointError(f"{card_file}: its config does not fit this version of cmacc "
                                   f"({e}); export the run again") from None
-        step, data = card.get("steps"), (card.get("data") or {}).get("source")
+        step, data = card.get("steps"), card.get("data")
         origin = (f"{card.get('encoders', 'query')} encoder exported from "
                   f"{card.get('checkpoint')} (step {step})")
-    return backbone, {"cfg": cfg, "file": p, "step": step, "modality": found, "data": data,
+    return backbone, {"cfg": cfg, "file": p.resolve(), "step": step, "modality": found, "data": data,
                       "encoder": f"the exported {found} encoder {p} ({origin})"}
 
 
@@ -201,22 +201,41 @@ def _split_key(name: str) -> str:
     return m.group(1) if m else name
 
 
+def recorded_data(state) -> dict | None:
+    """The pretraining data a checkpoint (or an export's model card) records: {"source", and
+    "manifest_sha256" where recorded}, or None when nothing records it. A checkpoint written
+    before checkpoints recorded their data has its config's source (as typed)."""
+    if "data" not in state:
+        return {"source": state["cfg"].data.source}
+    rec = state["data"]
+    return rec if isinstance(rec, dict) or rec is None else {"source": rec}
+
+
 def resolve_data(data, state) -> tuple[str, str]:
     """The data to evaluate on and why: ``--data`` as given, or (None) the run's own
     pretraining data as its checkpoint (or an export's model card) records it. A UserError
-    naming --data when that data is not there, when nothing records it, or when the synthetic
-    clips are asked for a run pretrained on a manifest (their figure says nothing of it)."""
-    recorded = state["data"] if "data" in state else state["cfg"].data.source
+    naming --data when that data is not there or has changed since (another SHA-256), when
+    nothing records it, or when the synthetic clips are asked for a run pretrained on a
+    manifest (their figure says nothing of it)."""
+    rec = recorded_data(state) or {}
+    recorded, digest = rec.get("source"), rec.get("manifest_sha256")
     what = state["file"]
+    fix = "pass --data MANIFEST (a labelled manifest.csv from cmacc-prepare)"
     if data is None:
         if recorded is None:
             raise UserError(f"--data: {what} does not say which data its run was pretrained on "
-                            "(no model_card.json beside it); pass --data MANIFEST (a labelled "
-                            "manifest.csv from cmacc-prepare) or --data synthetic")
+                            f"(no model_card.json beside it); {fix} or --data synthetic")
         if recorded != "synthetic" and not Path(recorded).is_file():
+            where = ("" if Path(recorded).is_absolute() else
+                     f" (a path relative to the folder its run was started in, as older runs "
+                     f"recorded it; not found from {Path.cwd()})")
             raise UserError(f"--data: {what} was pretrained on {recorded}, which is not there "
-                            "now; pass --data MANIFEST (a labelled manifest.csv from "
-                            "cmacc-prepare)")
+                            f"now{where}; {fix}")
+        if digest and sha256_file(recorded) != digest:
+            raise UserError(f"--data: {what} was pretrained on {recorded} (sha256 {digest[:12]}), "
+                            f"which has changed since (sha256 {sha256_file(recorded)[:12]}): its "
+                            f"figure would be of other clips; pass --data {recorded} to evaluate "
+                            "on it as it is now")
         return recorded, "the run's own pretraining data"
     if data == "synthetic" and recorded not in (None, "synthetic"):
         raise UserError(f"--data synthetic: {what} was pretrained on {recorded}, not on the "
@@ -226,6 +245,8 @@ def resolve_data(data, state) -> tuple[str, str]:
     same = recorded is not None and (data == recorded or (
         data != "synthetic" and recorded != "synthetic" and Path(data).is_file()
         and Path(recorded).is_file() and Path(data).resolve() == Path(recorded).resolve()))
+    if same and digest and sha256_file(data) != digest:
+        same = False  # the same path, other contents
     return data, "the run's own pretraining data" if same else "named by --data"
 
 

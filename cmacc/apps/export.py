@@ -9,7 +9,8 @@ writes, from the newest valid checkpoint of a run folder (or the checkpoint give
   video_<arch>.pt     the video backbone under torchvision's names, without ``fc``
                       (``--num-classes N``: with a freshly initialised ``fc`` of N classes)
   audio_resnet1d.pt   the 1-D audio ResNet over the log-mel
-  model_card.json     config, data (manifest and its SHA-256), steps, date, commit, the eval
+  model_card.json     config, data (the manifest's absolute path and its SHA-256 as the run
+                      trained on it), steps, date, commit, the eval
                       results found in the run (each with its dataset, checkpoint and
                       settings), and how to load each file
 
@@ -42,7 +43,7 @@ from data_dali.cli import ArgumentParser, UserError, command, output_folder, set
 from data_dali.fileio import atomic_write_text
 
 from . import git_commit, positive_int, sha256_file
-from .eval import load_pretrained
+from .eval import load_pretrained, recorded_data
 
 log = logging.getLogger("cmacc.export")
 
@@ -84,7 +85,7 @@ def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: 
         "checkpoint_date": datetime.datetime.fromtimestamp(
             Path(state["file"]).stat().st_mtime, datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
-        "data": _data(cfg.data.source),
+        "data": recorded_data(state),
         "config": cfg.to_dict(),
         "video": {"file": f"video_{arch}.pt", "arch": arch, "width": m.video_width,
                   "layers": list(m.video_layers),
@@ -99,14 +100,6 @@ def model_card(state: dict, files: dict[str, Path], *, keys: bool, num_classes: 
         "sha256": {name: sha256_file(p) for name, p in files.items()},
         "eval": _eval_results(run),
     }
-
-
-def _data(source: str) -> dict:
-    """The pretraining data: the manifest and its hash (as it is now), or the synthetic clips."""
-    if source == "synthetic":
-        return {"source": "synthetic"}
-    p = Path(source)
-    return {"source": source, "manifest_sha256": sha256_file(p) if p.is_file() else None}
 
 
 def _eval_results(run: Path) -> dict:

@@ -41,7 +41,8 @@ def main(argv=None):
     from cmacc.apps import mi
 
     p = ArgumentParser(prog=prog_name("cmacc.apps.mi", "cmacc-mi"), description=mi.__doc__)
-    p.add_argument("--omniglot", help="folder holding omniglot-py/images_background")
+    p.add_argument("--omniglot", help="folder holding omniglot-py/images_background (or "
+                   "omniglot-py itself)")
     p.add_argument("--make-glyphs", metavar="DIR", help="write generated glyphs there and use them")
     p.add_argument("--out", default="runs/mi",
                    help="folder of mi.json, report.md and the plots (default: runs/mi)")

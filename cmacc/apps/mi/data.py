@@ -47,6 +47,16 @@ def ink_to_float(ink: torch.Tensor) -> torch.Tensor:
     return ink.float().div_(255.0)
 
 
+def background_folder(root) -> Path:
+    """Omniglot's images_background folder under ``root``: the folder holding omniglot-py
+    (torchvision's layout), omniglot-py itself, or images_background itself."""
+    r = Path(root)
+    for base in (r / "omniglot-py" / "images_background", r / "images_background"):
+        if base.is_dir():
+            return base
+    return r if r.name == "images_background" else r / "omniglot-py" / "images_background"
+
+
 class Glyphs:
     """Omniglot character images as uint8 ink, one tensor per alphabet
     ``bank[a]`` [n_chars, n_drawers, 32, 32]: the ``max_alphabets`` alphabets with the most
@@ -56,7 +66,7 @@ class Glyphs:
     def __init__(self, root, max_alphabets=9, max_chars=None):
         # torchvision's Omniglot layout, read directly (torchvision's own class also insists on
         # the downloaded zip files being present, which a copied folder may lack)
-        base = Path(root) / "omniglot-py" / "images_background"
+        base = background_folder(root)
         if not base.is_dir():
             raise OmniglotError(
                 f"{root}: no Omniglot in torchvision's layout; expected "
