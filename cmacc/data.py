@@ -44,7 +44,7 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   clip_frames=dcfg.frames, crop=dcfg.size, shard_id=rank,
                                   num_shards=world, seed=seed, views=views, device=device,
                                   backend=dcfg.loader, num_workers=dcfg.workers,
-                                  prefetch=dcfg.prefetch,
+                                  prefetch=dcfg.prefetch, augment=dcfg.augmentation,
                                   bad_clips_csv=out and Path(out) / "bad_clips.csv",
                                   max_bad_clips=None if dcfg.max_bad_clips < 0
                                   else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
