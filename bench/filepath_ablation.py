@@ -17,7 +17,8 @@ active: its unique/M is read against random's law, printed) at each step of the 
   +jitter, +crop, +flip, +gray   the prepared files with one training augmentation on
   all        all four: the demo as it runs (``make demo``)
 
-Each run's figures land in OUT/<step>/seed<k>/ablation.json as it ends; a re-run skips the
+Seed 0 of every step runs first, then seed 1, ...; each run's figures land in
+OUT/<step>/seed<k>/ablation.json as it ends, and table.md is rewritten; a re-run skips the
 finished ones (and resumes an unfinished run from its checkpoint). The table: mean ± 95%
 interval over the seeds of the pretext accuracy (first and last quarter), unique/M (last
 quarter), the linear probes (video, audio) and clips/s.
@@ -138,8 +139,8 @@ def toy_data() -> dict:
 def step_runs(out: Path, steps, seeds: int, clips: int) -> dict:
     """(step, seed) → (data source, config sections); writes the datasets the steps need."""
     runs, prepared = {}, None
-    for step in steps:
-        for k in range(seeds):
+    for k in range(seeds):  # seed-major: a whole walk with seed 0 comes first
+        for step in steps:
             sections = {"model": {"seed": k}}
             if step == "memory":
                 data, sections["data"] = "synthetic", dict(clips=clips, **toy_data())
@@ -183,7 +184,8 @@ def main(argv=None):
                    help="clips (default the demo's 512)")
     p.add_argument("--sampler", default="active", choices=("active", "random"))
     p.add_argument("--only", nargs="+", choices=STEPS, default=list(STEPS), metavar="STEP",
-                   help=f"the steps to run, of {', '.join(STEPS)} (default all, in that order)")
+                   help=f"the steps to run, in the order given, of {', '.join(STEPS)} (default "
+                        "all, in that order); each step's seed 0 runs before any seed 1")
     args = p.parse_args(argv)
     for name in ("steps", "seeds", "clips"):
         if getattr(args, name) < 1:
@@ -192,7 +194,7 @@ def main(argv=None):
         p.error(f"--clips must be >= {DEMO['classes']} (one per class), got {args.clips}")
     setup_logging()
     out = output_folder(args.out, "--out")
-    steps = [s for s in STEPS if s in args.only]
+    steps = list(dict.fromkeys(args.only))  # in the order given
     runs = step_runs(out, steps, args.seeds, args.clips)
     for data in {d for d, _ in runs.values()}:  # every config and dataset, before any run
         check_runs({out / s / f"seed{k}": (args.sampler, o) for (s, k), (d, o) in runs.items()
