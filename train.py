@@ -39,6 +39,7 @@ import torch
 from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS, OBJECTIVES,
                           POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
+from data_dali.augment import AUGMENTS
 from cmacc.trainer import NonFiniteLoss, Trainer
 from data_dali.cli import ArgumentParser, Interrupted, UserError, command, setup_logging
 
@@ -56,6 +57,10 @@ FLAGS = {
         ("--workers", "data.workers", dict(type=int, help="loader worker processes (DALI: decoder threads)")),
         ("--max-bad-clips", "data.max_bad_clips", dict(type=int, help="damaged clips skipped, replaced and listed in "
                                                        "OUT/bad_clips.csv before the run stops (default: 1%% of the clips, at least 10)")),
+        ("--augment", "data.augment", dict(nargs="+", choices=AUGMENTS + ("none",), help=(
+            "training augmentations of a manifest's clips: random resized crop, flip, grayscale, "
+            "random start (default all: the paper's; none: centre clip and square, docs/DATA.md)"))),
+        ("--crop-scale", "data.crop_scale", dict(type=float, help="smallest random-crop area, as a fraction of the frame")),
         ("--prefetch", "data.prefetch", dict(type=int, help="batches decoded ahead (default 2; memory is flat over an epoch)")),
         ("--log-every", "run.log_every", dict(type=int, help="log/metrics interval in steps")),
         ("--ckpt-every", "run.ckpt_every", dict(type=int, help="checkpoint interval in steps (0: only at the end)")),

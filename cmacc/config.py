@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 import kernels
+from data_dali.augment import AUGMENTS, SCALE, Augment
 from data_dali.classdist import zipf_exponent
 
 from .encoders import VIDEO_ARCHS, backbone_features
@@ -175,6 +176,8 @@ class DataConfig:
     workers: int = 2  # reference-loader worker processes (DALI: decoder threads)
     prefetch: int = 2  # batches decoded ahead: loader memory does not grow with the epoch
     max_bad_clips: int = -1  # damaged clips skipped before the run stops (-1: 1%, at least 10)
+    augment: tuple = AUGMENTS  # manifest: training augmentations that run (data_dali/augment.py)
+    crop_scale: float = SCALE[0]  # manifest: smallest crop area, as a fraction of the frame
     # synthetic clips only
     clips: int = 1024
     classes: int = 10
@@ -185,6 +188,12 @@ class DataConfig:
     def __post_init__(self):
         _choice("loader", self.loader, LOADERS)
         _positive(self, "frames", "size", "clips", "classes")
+        self.augment = tuple(a for a in self.augment if a != "none")  # (a JSON config's list)
+        bad = [a for a in self.augment if a not in AUGMENTS]
+        if bad:
+            raise ValueError(f"augment {bad} not among {AUGMENTS} (or none)")
+        if not 0 < self.crop_scale <= 1:
+            raise ValueError(f"crop_scale must be in (0, 1], got {self.crop_scale}")
         if self.workers < 0:
             raise ValueError(f"workers must be >= 0, got {self.workers}")
         if self.max_bad_clips < -1:
@@ -203,6 +212,11 @@ class DataConfig:
     @property
     def synthetic(self) -> bool:
         return self.source == "synthetic"
+
+    @property
+    def augmentation(self) -> Augment:
+        """The loaders' training augmentation (a manifest's; the synthetic clips have none)."""
+        return Augment(self.augment, (self.crop_scale, SCALE[1]))
 
 
 @dataclass

@@ -70,7 +70,7 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   clip_frames=dcfg.frames, crop=dcfg.size, shard_id=rank,
                                   num_shards=world, seed=seed, views=views, device=device,
                                   backend=dcfg.loader, num_workers=dcfg.workers,
-                                  prefetch=dcfg.prefetch,
+                                  prefetch=dcfg.prefetch, augment=dcfg.augmentation,
                                   bad_clips_csv=out and rank_csv(Path(out) / "bad_clips.csv",
                                                                  rank, world),
                                   max_bad_clips=None if dcfg.max_bad_clips < 0
@@ -93,7 +93,7 @@ def clip_fetcher(loader, device):
     ds = ClipDataset(loader.m, loader.index, clip_frames=loader.t, crop=loader.s,
                      train=loader.train, seed=loader.seed, need_audio=loader.need_audio,
                      need_video=loader.need_video, dtype=loader.dtype,
-                     temporal_jitter=loader.jitter, bad=loader.bad)
+                     temporal_jitter=loader.jitter, bad=loader.bad, aug=loader.aug)
     pos = {i: k for k, i in enumerate(loader.index)}
 
     def fetch(index):

@@ -16,6 +16,10 @@ The law (the paper's augmentation):
 - test with ``jitter`` (test-time multi-clip): a random start as in training, otherwise test.
 - views after the first in test mode get a random start (another segment of the clip, centre
   crop): two identical views would carry no information.
+- ``Augment`` turns training augmentations off one by one and sets the crop's strength
+  (``train.py --augment``, ``--crop-scale``); an augmentation that is off keeps the test
+  mode's choice (centre clip, centre square, no flip, no grayscale). The draws are made
+  whatever is on, so the augmentations left on draw what they draw under the paper's law.
 
 Each (seed, epoch, index, view) has its own generator, ``np.random.default_rng([seed, epoch,
 index, view])``, drawn in the order start, crop, flip, grayscale. (Until this module existed
@@ -35,6 +39,26 @@ RATIO = (3 / 4, 4 / 3)  # crop aspect ratio (width / height)
 FLIP_P = 0.5
 GRAY_P = 0.2
 _MASK = (1 << 64) - 1
+AUGMENTS = ("crop", "flip", "gray", "jitter")  # random resized crop, flip, grayscale, random start
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Which training augmentations run, and the crop's area range (default: all, the paper's
+    SCALE)."""
+
+    on: tuple = AUGMENTS
+    scale: tuple = SCALE
+
+    def __post_init__(self):
+        bad = [a for a in self.on if a not in AUGMENTS]
+        if bad:
+            raise ValueError(f"augmentations {bad} are not among {AUGMENTS}")
+        if not 0 < self.scale[0] <= self.scale[1] <= 1:
+            raise ValueError(f"crop scale must satisfy 0 < min <= max <= 1, got {self.scale}")
+
+
+PAPER = Augment()
 
 
 @dataclass(frozen=True)
@@ -74,21 +98,28 @@ def crop_box(h, w, rng: np.random.Generator | None, scale=SCALE, ratio=RATIO):
 
 
 def draw(seed: int, epoch: int, index: int, view: int, *, frames_in_clip: int, clip_frames: int,
-         height: int, width: int, train: bool = True, jitter: bool | None = None) -> ClipParams:
+         height: int, width: int, train: bool = True, jitter: bool | None = None,
+         aug: Augment = PAPER) -> ClipParams:
     """The parameters of view ``view`` of dataset clip ``index`` in ``epoch`` (module docstring).
-    ``jitter`` defaults to ``train``; height/width 0 (a clip without video) give an empty box."""
+    ``jitter`` defaults to ``train``; height/width 0 (a clip without video) give an empty box.
+    ``aug``: the training augmentations that are on (``Augment``)."""
     jitter = train if jitter is None else jitter
     rng = np.random.default_rng([int(seed) & _MASK, int(epoch) & _MASK, int(index), int(view)])
     span = max(1, frames_in_clip - clip_frames + 1)  # possible first frames
-    start = int(rng.integers(0, span)) if (train or jitter or view > 0) else (span - 1) // 2
-    top, left, ch, cw = crop_box(height, width, rng if train else None)
-    flip = bool(train and rng.random() < FLIP_P)
-    gray = bool(train and rng.random() < GRAY_P)
+    centre = (span - 1) // 2
+    start = int(rng.integers(0, span)) if (train or jitter or view > 0) else centre
+    if train and view == 0 and "jitter" not in aug.on:
+        start = centre
+    top, left, ch, cw = crop_box(height, width, rng if train else None, scale=aug.scale)
+    if "crop" not in aug.on:
+        top, left, ch, cw = crop_box(height, width, None)
+    flip = bool(train and rng.random() < FLIP_P) and "flip" in aug.on
+    gray = bool(train and rng.random() < GRAY_P) and "gray" in aug.on
     return ClipParams(start, top, left, ch, cw, flip, gray)
 
 
 def draw_row(row: dict, index: int, view: int, *, seed: int, epoch: int, clip_frames: int,
-             train: bool, jitter: bool | None = None) -> ClipParams:
+             train: bool, jitter: bool | None = None, aug: Augment = PAPER) -> ClipParams:
     """``draw`` for manifest row ``row`` (its frames, height and width; an audio-only row counts
     its frames from the duration)."""
     n = int(row["frames"]) or int(float(row["duration"]) * float(row["fps"]))
@@ -97,7 +128,7 @@ def draw_row(row: dict, index: int, view: int, *, seed: int, epoch: int, clip_fr
         raise ValueError(f"manifest row {index} ({row['video']}) has no width/height; re-run "
                          "`python -m data_dali.prepare` to write them")
     return draw(seed, epoch, index, view, frames_in_clip=n, clip_frames=clip_frames, height=h,
-                width=w, train=train, jitter=jitter)
+                width=w, train=train, jitter=jitter, aug=aug)
 
 
 def batch_fields(params, suffix: str = "", video: bool = True) -> dict:

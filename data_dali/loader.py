@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .audio import mel_frames
-from .augment import batch_fields
+from .augment import PAPER, Augment, batch_fields
 from .cli import first_line
 from .damaged import BadClips, default_limit
 from .manifest import Manifest, ManifestError
@@ -63,6 +63,7 @@ class LoaderConfig:
     dtype: torch.dtype = torch.float32
     backend: str = "auto"
     prefetch: int = 2
+    augment: Augment = PAPER  # training augmentations that run (data_dali/augment.py)
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -119,6 +120,7 @@ class Loader:
         self.drop_last, self.dtype, self.epoch, self.start = cfg.drop_last, cfg.dtype, 0, 0
         self.prefetch, self.builds, self._stream, self._ref = cfg.prefetch, 0, None, None
         self.train = self.jitter = train
+        self.aug = cfg.augment
         self.need_video, self.need_audio = need_video, need_audio
         self.num_clips, self.num_classes = len(manifest), manifest.num_classes
         self.class_names, self.labels = manifest.class_names, manifest.labels
@@ -252,7 +254,8 @@ class _ReferenceStream:
         ds = ClipDataset(loader.m, loader.index, clip_frames=loader.t, crop=loader.s,
                          views=loader.views, train=loader.train, seed=loader.seed,
                          need_audio=loader.need_audio, need_video=loader.need_video,
-                         dtype=loader.dtype, temporal_jitter=loader.jitter, bad=loader.bad)
+                         dtype=loader.dtype, temporal_jitter=loader.jitter, bad=loader.bad,
+                         aug=loader.aug)
         self.bad = loader.bad  # (the workers' copies find damaged clips; this one records them)
         self.pos = {i: k for k, i in enumerate(loader.index)}
         self.sampler, self.views, self.video = _EpochBatches(), loader.views, loader.need_video
@@ -281,7 +284,7 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
                  shard_id=0, num_shards=1, seed=0, device="cpu", backend="auto", views=1,
                  num_workers=2, drop_last=True, dtype=torch.float32, train=True,
                  need_video=True, need_audio=True, prefetch=2, bad_clips_csv=None,
-                 max_bad_clips=None, stop_past_limit=True) -> Loader:
+                 max_bad_clips=None, stop_past_limit=True, augment=PAPER) -> Loader:
     """Pretraining (need_video and need_audio: clips without audio are skipped, and counted in
     the log) or downstream (need_audio=False: video-only; need_video=False: audio-only) loader
     over a prepared manifest. ``fps`` must be the rate the clips were prepared at (checked).
@@ -292,11 +295,13 @@ def build_loader(manifest, *, batch_size, clip_frames=16, crop=112, fps=10, spli
     epoch length. A damaged clip is skipped and replaced, named once in ``bad_clips_csv`` and
     the log; more than ``max_bad_clips`` (default: 1% of the clips, at least 10) raise
     TooManyBadClips (data_dali/damaged.py), or with ``stop_past_limit=False`` leave the stop
-    to the caller (``loader.bad.count``: the trainer agrees on it over ranks)."""
+    to the caller (``loader.bad.count``: the trainer agrees on it over ranks). ``augment``:
+    the training augmentations that run and the crop's strength (data_dali.augment.Augment;
+    default the paper's)."""
     cfg = LoaderConfig(batch_size=batch_size, clip_frames=clip_frames, crop=crop, fps=fps,
                        shard_id=shard_id, num_shards=num_shards, seed=seed, views=views,
                        num_workers=num_workers, drop_last=drop_last, dtype=dtype, backend=backend,
-                       prefetch=prefetch)
+                       prefetch=prefetch, augment=augment)
     if not (need_video or need_audio):
         raise ValueError("need_video and need_audio are both False: nothing to load")
     m = manifest if isinstance(manifest, Manifest) else Manifest(manifest)

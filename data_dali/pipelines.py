@@ -166,7 +166,7 @@ class ClipSource:
                 vals.append(np.fromfile(row["video"], dtype=np.uint8))
             for v in range(l.views):
                 p = draw_row(row, i, v, seed=l.seed, epoch=self.epoch, clip_frames=l.t,
-                             train=l.train, jitter=l.jitter)
+                             train=l.train, jitter=l.jitter, aug=l.aug)
                 vals.append(p.array())
                 if l.need_audio:
                     vals.append(mel_segment(l.m.mel(i), p.start, l.t, float(row["fps"])))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .audio import mel_segment
-from .augment import ClipParams, crop_box, draw_row
+from .augment import PAPER, ClipParams, crop_box, draw_row
 from .cli import first_line
 from .manifest import Manifest
 
@@ -87,16 +87,17 @@ class ClipDataset(torch.utils.data.Dataset):
 
     def __init__(self, manifest: Manifest, index, *, clip_frames=16, crop=112, views=1,
                  train=True, seed=0, need_audio=True, start=None, dtype=torch.float32,
-                 temporal_jitter=None, need_video=True, bad=None):
+                 temporal_jitter=None, need_video=True, bad=None, aug=PAPER):
         """train: random start + augmentation; train=False: the centre clip, centre crop, unless
         ``temporal_jitter`` (test-time multi-clip: random start, still centre crop, no flip).
         ``start``: force the first view's start frame. ``bad`` (data_dali.damaged.BadClips):
-        a damaged clip is replaced, and the item lists it under "bad" [(index, reason)]."""
+        a damaged clip is replaced, and the item lists it under "bad" [(index, reason)].
+        ``aug``: the training augmentations that run (data_dali.augment.Augment)."""
         self.m, self.index = manifest, list(index)
         self.jitter = train if temporal_jitter is None else temporal_jitter
         self.t, self.s, self.views, self.train = clip_frames, crop, views, train
         self.seed, self.epoch, self.need_audio, self.start, self.dtype = seed, 0, need_audio, start, dtype
-        self.need_video, self.bad = need_video, bad
+        self.need_video, self.bad, self.aug = need_video, bad, aug
 
     def __len__(self):
         return len(self.index)
@@ -104,7 +105,7 @@ class ClipDataset(torch.utils.data.Dataset):
     def params(self, i: int, view: int, epoch: int) -> ClipParams:
         """The law's draw for view ``view`` of dataset clip ``i`` in ``epoch``."""
         p = draw_row(self.m.rows[i], i, view, seed=self.seed, epoch=epoch, clip_frames=self.t,
-                     train=self.train, jitter=self.jitter)
+                     train=self.train, jitter=self.jitter, aug=self.aug)
         return replace(p, start=self.start) if view == 0 and self.start is not None else p
 
     def sample(self, i: int, p: ClipParams) -> dict:

@@ -294,28 +294,32 @@ def write_dataset(out, classes=8, per_class=12, seconds=3.0, width=96, height=72
     if not 0 < seconds * fps < 1e6:
         raise SyntheticError(f"--seconds must give 1 to 10^6 frames at {fps} fps, got {seconds}")
     group_size(redundancy)  # checks the range
-    counts = class_counts(class_dist, classes * per_class, classes)
     out = output_folder(out, "OUT")
     listing = ["path,label,class_name,split"]
-    rng = np.random.default_rng(seed)
-    params = {}
-    for c in range(classes):
-        for i in range(counts[c]):
-            key = (c, instance_group(i, redundancy))
-            if key not in params:
-                p = instance_params(lambda *shape: rng.random(shape or None))  # () -> a float
-                params[key] = dict(p, colour=p["colour"].astype(np.float32))
-            path = out / f"class{c:02d}" / f"class{c:02d}_{i:03d}.mp4"
-            listing.append(f"{path.relative_to(out).as_posix()},{c},class{c:02d},"
-                           f"{'test' if held_out(i) else 'train'}")
-            if path.exists():
-                continue
-            inst = params[key]
-            crng = np.random.default_rng([seed, c, i])
+    for c, i, inst, crng in file_clips(classes, per_class, redundancy, seed, class_dist):
+        path = out / f"class{c:02d}" / f"class{c:02d}_{i:03d}.mp4"
+        listing.append(f"{path.relative_to(out).as_posix()},{c},class{c:02d},"
+                       f"{'test' if held_out(i) else 'train'}")
+        if not path.exists():
             frames = _frames(c, classes, inst, int(seconds * fps), fps, width, height, noise, crng)
             write_av(path, frames, fps, _sound(c, classes, inst, seconds, sr, noise, crng), sr)
     atomic_write_text(out / "list.csv", "\n".join(listing) + "\n")
     return out
+
+
+def file_clips(classes, per_class, redundancy, seed, class_dist):
+    """(class c, instance i, instance parameters, the clip's noise generator) of every clip of
+    ``write_dataset``, in its order: render a clip with ``_frames`` then ``_sound`` (that order)
+    from the generator."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for c, n in enumerate(class_counts(class_dist, classes * per_class, classes)):
+        for i in range(n):
+            key = (c, instance_group(i, redundancy))
+            if key not in params:
+                p = instance_params(lambda *shape: rng.random(shape or None))  # () -> a float
+                params[key] = dict(p, colour=p["colour"].astype(np.float32))
+            yield c, i, params[key], np.random.default_rng([seed, c, i])
 
 
 def write_click_clip(path, click_frames, seconds=4.0, fps=10, sr=16_000, size=64):

@@ -12,7 +12,7 @@ import torch
 import data_dali
 from data_dali import prepare as prep
 from data_dali import synthetic
-from data_dali.augment import ClipParams, crop_box, draw, draw_row
+from data_dali.augment import Augment, ClipParams, crop_box, draw, draw_row
 from data_dali.manifest import Manifest
 from data_dali.reference import MEAN, STD
 
@@ -163,3 +163,45 @@ def test_both_backends_draw_the_same_and_agree_on_pixels(clips, views, train):
     assert n == 2 * len(dali) == 4
     assert flips == ({False, True} if train else {False})
     assert dali.builds == ref.builds == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Augmentations turned off one by one (data_dali.augment.Augment: train.py --augment)
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("on", [(), ("crop",), ("flip",), ("gray",), ("jitter",)])
+def test_an_augmentation_that_is_off_keeps_the_test_choice_and_the_others_draw_the_paper_law(on):
+    aug = Augment(on)
+    test = _draws(train=False, count=1)[0]  # centre clip, centre square, no flip, no grayscale
+    for p, paper in zip(_draws(count=400), [draw(0, 0, i, 0, frames_in_clip=N, clip_frames=T,
+                                                 height=H, width=W, train=True, aug=aug)
+                                            for i in range(400)]):
+        want = {"jitter": ("start",), "crop": ("top", "left", "crop_h", "crop_w"),
+                "flip": ("flip",), "gray": ("gray",)}
+        for a, fields in want.items():
+            for f in fields:  # on: the paper's draw; off: the test mode's choice
+                assert getattr(paper, f) == getattr(p if a in on else test, f), (a, f)
+
+
+def test_crop_scale_bounds_the_crop_area():
+    aug = Augment(scale=(0.8, 1.0))
+    boxes = [draw(0, 0, i, 0, frames_in_clip=N, clip_frames=T, height=H, width=W, aug=aug)
+             for i in range(500)]
+    drawn = [p.crop_h * p.crop_w / (H * W) for p in boxes
+             if (p.top, p.left, p.crop_h, p.crop_w) != crop_box(H, W, None)]  # not a fallback
+    assert len(drawn) > 100 and min(drawn) > 0.8 - 0.05  # (rounding of the sides)
+    with pytest.raises(ValueError, match="crop scale"):
+        Augment(scale=(0.0, 1.0))
+    with pytest.raises(ValueError, match="not among"):
+        Augment(("blur",))
+
+
+def test_a_loader_without_augmentation_gives_the_test_clips(clips):
+    m = Manifest(clips)
+    kw = dict(batch_size=2, clip_frames=T, crop=32, num_workers=0, seed=11, backend="reference")
+    off = {int(i): v for b in data_dali.build_loader(m, augment=Augment(()), **kw)
+           for i, v in zip(b["index"], b["video"])}
+    test = {int(i): v for b in data_dali.build_loader(m, train=False, **kw)
+            for i, v in zip(b["index"], b["video"])}
+    assert off.keys() == test.keys() and len(off) == 4
+    for i in off:
+        torch.testing.assert_close(off[i], test[i], rtol=0, atol=0)

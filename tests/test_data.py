@@ -264,3 +264,56 @@ def test_trainer_names_a_missing_manifest(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--data" in err and "nope.csv" in err and "no manifest; create one with" in err
+
+
+FLASHES = (0.6, 1.8, 3.0)  # seconds: a white frame and a click at each, in a 30 fps source
+
+
+@pytest.fixture(scope="module")
+def flash_manifest(tmp_path_factory):
+    """A 4 s clip at 30 fps (prepared to 10 fps): dark frames but a white one at each of
+    FLASHES, silence but a 20 ms click starting at each."""
+    src = tmp_path_factory.mktemp("flash")
+    fps, sr = 30, 16_000
+    frames = np.full((4 * fps, 48, 64, 3), 16, np.uint8)
+    wave = np.zeros(4 * sr, np.float32)
+    for t in FLASHES:
+        frames[round(t * fps)] = 240
+        s = round(t * sr)
+        wave[s:s + 320] = 0.8 * np.sin(2 * np.pi * 3000 * np.arange(320) / sr)
+    synthetic.write_av(src / "c" / "flash.mp4", frames, fps, wave, sr)
+    out = tmp_path_factory.mktemp("flash_out")
+    prep.prepare(src, out, workers=1, progress=False, cfg=prep.PrepareConfig(short_side=48))
+    return out / "manifest.csv"
+
+
+# The worst audio-video offset allowed: 40 ms = the click's own length (20 ms: its energy peaks
+# anywhere in it) + one mel hop (10 ms: where a mel frame's window sits) + 10 ms for the AAC
+# frame edges of the source. The flashes sit on the prepared 10 fps grid, so the picture adds
+# nothing; 40 ms is under half a frame (50 ms): a clip whose sound slipped by one video frame
+# against its picture (100 ms) fails.
+WORST_OFFSET_MS = 40
+
+
+@pytest.mark.parametrize("backend", ["reference", "dali"])
+def test_a_flash_and_its_click_arrive_together_through_both_loaders(flash_manifest, backend):
+    if backend == "dali":
+        pytest.importorskip("nvidia.dali")
+    seen = 0
+    for seed in range(6):  # training mode: temporal jitter (and every other augmentation) on
+        loader = data_dali.build_loader(flash_manifest, batch_size=1, clip_frames=8, crop=32,
+                                        seed=seed, backend=backend, num_workers=0)
+        b = next(iter(loader))
+        start = int(b["start"])
+        bright = b["video"][0].mean((0, 2, 3))  # [T] per frame
+        energy = torch.from_numpy(np.asarray(b["audio"][0])).max(0).values  # [L] per mel frame
+        for t in FLASHES:
+            if not start / 10 <= t < (start + 8) / 10 - 0.05:  # in this clip, click included
+                continue
+            t_video = (start + int(bright.argmax())) / 10
+            t_audio = start / 10 + int(energy.argmax()) / MEL_FPS
+            assert bright.max() > bright.median() + 3  # the flash is there
+            assert abs(t_video - t) < 1e-6, (seed, start)
+            assert abs(t_audio - t_video) * 1000 <= WORST_OFFSET_MS, (seed, start, t_audio, t_video)
+            seen += 1
+    assert seen >= 3
