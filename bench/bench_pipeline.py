@@ -100,7 +100,8 @@ def stage_timers(ds, spent: dict):
     load, counted with its slice under "mel")."""
     from data_dali import reference
 
-    names = {"draw_row": "draw", "decode_clip": "decode", "mel_segment": "mel", "augment": "augment"}
+    names = {"draw_row": "draw", "decode_clip": "decode", "mel_segment": "mel",
+             "augment": "augment"}
     saved = {name: getattr(reference, name) for name in names}
     try:
         for name, stage in names.items():
@@ -140,8 +141,9 @@ def breakdown(manifest, *, batch, batches, frames, crop, views, seed=0):
     for b in chosen:  # untimed pass
         one_batch(b, collate)
     with stage_timers(ds, spent):
+        timed_collate = _timed(spent, "collate", collate)
         t0 = time.perf_counter()
-        out = [one_batch(b, _timed(spent, "collate", collate)) for b in chosen]
+        out = [one_batch(b, timed_collate) for b in chosen]
         whole = time.perf_counter() - t0
     row = {stage: seconds for stage, (seconds, _) in spent.items()}
     row.update(whole=whole, other=whole - sum(row.values()), clips=sum(map(len, chosen)),

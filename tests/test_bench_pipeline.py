@@ -11,7 +11,8 @@ from data_dali import reference
 
 def test_the_breakdown_times_every_stage_of_the_loaders_own_batches(tiny_prepared):
     manifest = tiny_prepared[1] / "manifest.csv"
-    originals = {n: getattr(reference, n) for n in ("draw_row", "decode_clip", "mel_segment", "augment")}
+    originals = {n: getattr(reference, n)
+                 for n in ("draw_row", "decode_clip", "mel_segment", "augment")}
     parts, batches = breakdown(manifest, batch=4, batches=2, frames=4, crop=8, views=2)
     clips, views = 8, 2
     assert parts["clips"] == clips and len(batches) == 2
