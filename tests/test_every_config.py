@@ -18,7 +18,8 @@ CASES = 12
 def _sample(rng: random.Random, i: int) -> dict:
     """One candidate configuration: the cyclic fields make the sample cover every sampler and
     stage count; the rest is drawn."""
-    objective, sampler = (("smoco", "random") if i % 5 == 4 else ("cross", SAMPLERS[i % 4]))
+    objective, sampler = (("smoco", "random") if i % 6 == 5
+                          else ("cross", SAMPLERS[i % len(SAMPLERS)]))
     width = rng.choice((1, 2, 3))
     stages = 1 + i % 6
     m = rng.choice((2, 3, 4))
@@ -32,7 +33,8 @@ def _sample(rng: random.Random, i: int) -> dict:
                    dim=rng.choice((2, 4)), fcl_dim=rng.choice((3, 4)), batch_size=m,
                    dict_size=k),
         selection=dict(sampler=sampler, grad_view=rng.choice(GRAD_VIEWS),
-                       pool_mode=rng.choice(POOL_MODES), pool_size=k + m + rng.choice((0, 3))),
+                       pool_mode=rng.choice(POOL_MODES), pool_size=k + m + rng.choice((0, 3)),
+                       pool_refresh=rng.choice((0, 0, 1))),
         data=dict(frames=rng.choice((1, 2, 3)), size=rng.choice((1, 5, 8)), clips=2 * m,
                   classes=2),
         optim=dict(warmup=1, channels_last=rng.random() < 0.5),

@@ -13,6 +13,7 @@ import pytest
 from cmacc import checkpoint as ckpt
 from cmacc import distributed as du
 from cmacc.config import PRESETS, config_hash
+from cmacc.data import data_record
 from cmacc.trainer import Trainer
 from data_dali import fileio
 from ranks import run_ranks
@@ -23,6 +24,7 @@ CFG = PRESETS["tiny"]
 def _trainer(out, **run):
     t = Trainer(CFG.replace(run=dict(out=str(out), **run)))
     t.rank, t.world, t.chash = du.rank(), du.world_size(), config_hash(CFG.model, CFG.selection)
+    t.data = data_record(t.cfg.data)  # (_setup's: the resume checks the data too)
     return t
 
 
@@ -37,7 +39,7 @@ def test_every_rank_resumes_from_rank_0s_choice_when_its_listing_lags(tmp_path):
     store = ckpt.Checkpoints(tmp_path, "run1")
     chash = config_hash(CFG.model, CFG.selection)
     for step in (2, 4):
-        store.save(dict(model={}, config_hash=chash), step)
+        store.save(dict(model={}, config_hash=chash, data=data_record(CFG.data)), step)
 
     def rank_fn(rank):
         _hide_from_rank_1(rank, {"ckpt_00000004.pt"})
@@ -51,7 +53,8 @@ def test_every_rank_resumes_from_rank_0s_choice_when_its_listing_lags(tmp_path):
 
 def test_a_rank_that_cannot_read_rank_0s_choice_stops_every_rank_in_one_line(tmp_path):
     ckpt.Checkpoints(tmp_path, "run1").save(
-        dict(model={}, config_hash=config_hash(CFG.model, CFG.selection)), 2)
+        dict(model={}, config_hash=config_hash(CFG.model, CFG.selection),
+             data=data_record(CFG.data)), 2)
 
     def rank_fn(rank):
         if rank == 1:  # the file rank 0 chose is not there yet for rank 1
