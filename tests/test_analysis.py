@@ -201,3 +201,31 @@ def test_the_mi_diversity_figure_has_its_own_title_and_draws_one_window_runs(tmp
                                           "seed(s) run"}
     assert _drawn_at(saved["mi_diversity.png"], 10, 0.5, report._color("CM-ACC"))
     assert _drawn_at(saved["mi_curves.png"], 10, 1.0, report._color("CM-ACC"))
+
+
+def test_diversity_says_when_few_classes_saturate_unique_per_m(tiny_prepared, tmp_path):
+    """C <= M: every sampler reaches unique/M = C/M, so the analysis says so (log and report),
+    with the ceiling and random's expected value; C > M (the default setting) says nothing."""
+    _, prepared = tiny_prepared
+    with open(prepared / "manifest.csv", newline="") as f:
+        c = len({r["label"] for r in csv.DictReader(f)})  # 2 classes, 12 clips
+    cfg = analysis.run_config(tmp_path, "random", 1, data=str(prepared / "manifest.csv"))
+    m = cfg.model.batch_size
+    law = analysis.diversity_law(cfg)
+    assert (law["classes"], law["ceiling"]) == (c, c / m) == (2, 0.125)
+    assert law["random_law"] is None  # 12 clips < M = 16: no random batch of M to speak of
+    assert f"C = 2 classes <= M = {m}" in law["saturated"] and "C/M = 0.125" in law["saturated"]
+    # synthetic, 4 uniform classes of 24 clips: random's E[U] = sum_c 1 - C(72, M) / C(96, M)
+    syn = analysis.run_config(tmp_path, "random", 1, sections=dict(data=dict(
+        classes=4, clips=96, class_dist="uniform")))
+    want = 4 * (1 - math.comb(72, m) / math.comb(96, m)) / m
+    law = analysis.diversity_law(syn)
+    assert law["random_law"] == pytest.approx(want) and f"random's expected: {want:.3f}" in \
+        law["saturated"]
+    st = dict(M=m, K=64, N=96, tau_p=1.0, grad_view="head", steps=1, seeds=1,
+              data="x", saturated=law["saturated"])
+    assert f"**Warning: {law['saturated']}.**" in analysis.diversity_report(
+        {"setting": st, "table": {}})
+    default = analysis.run_config(tmp_path, "random", 1, sections=dict(
+        data=analysis.DIVERSITY_DATA))
+    assert analysis.diversity_law(default)["saturated"] is None
