@@ -138,6 +138,8 @@ def test_safetensors_files_load_into_torchvision_and_the_card_names_data_steps_a
     b = load_audio_encoder(out / "audio_resnet1d.pt").double()
     mel = torch.randn(2, 80, 40, dtype=torch.float64)
     torch.testing.assert_close(a(mel), b(mel), rtol=0, atol=0)
+    _, what = ev.load_encoder(out / "audio_resnet1d.safetensors")  # cmacc-eval takes it too
+    assert what["modality"] == "audio" and what["step"] == 6
     card = json.loads((out / "model_card.json").read_text())
     readme = (out / "README.md").read_text()
     (result, res), = card["eval"].items()
