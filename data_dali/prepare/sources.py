@@ -196,12 +196,13 @@ def _scan_kinetics(src: Path, annotations: Path, exclude) -> tuple[list[dict], l
     items, listed = [], set()
     for f in files:
         hint = "pass Kinetics annotation CSVs (label,youtube_id,time_start,time_end,split)"
-        for r in _read_table(f, "--splits", {"youtube_id", "time_start", "time_end"}, hint):
+        rows = _read_table(f, "--splits", {"youtube_id", "time_start", "time_end"}, hint)
+        for n, r in enumerate(rows, start=1):
             try:
                 name = f"{r['youtube_id']}_{int(float(r['time_start'])):06d}_{int(float(r['time_end'])):06d}"
             except (TypeError, ValueError):
-                raise PrepareError(f"--splits {f}: row {r}: time_start/time_end are not "
-                                   f"numbers; {hint}") from None
+                raise PrepareError(f"--splits {f}, row {n} after the header: time_start / "
+                                   f"time_end are not numbers; {hint}") from None
             split = (r.get("split") or f.stem).strip().lower()
             s1, s2 = KINETICS_SPLITS.get(split, ("", ""))
             label = (r.get("label") or "").strip()
