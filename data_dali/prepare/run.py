@@ -151,16 +151,20 @@ def _finish(out: Path, items, results, warnings) -> dict:
 
 
 def whole_class_notes(rows: list[dict]) -> dict[str, list[str]]:
-    """{class name: the note kinds every kept clip of that class has}, for kinds that not every
-    clip of the dataset has (e.g. one class all silent): a probe would score from them."""
+    """{class name: the note kinds every kept clip of that class has}, for classes of two or
+    more clips and kinds that not every clip of the dataset has (e.g. one class all silent): a
+    probe would score from them."""
     kinds = [{note_kind(n) for n in filter(None, r.get("notes", "").split(" | "))} for r in rows]
     everywhere = set.intersection(*kinds) if kinds else set()
     per_class: dict[str, set] = {}
+    size = Counter()
     for r, k in zip(rows, kinds):
         if r["label"] != UNLABELED:
             name = r["class_name"] or str(r["label"])
             per_class[name] = per_class[name] & k if name in per_class else set(k)
-    return {c: sorted(k - everywhere) for c, k in sorted(per_class.items()) if k - everywhere}
+            size[name] += 1
+    return {c: sorted(k - everywhere) for c, k in sorted(per_class.items())
+            if k - everywhere and size[c] > 1}
 
 
 def note_kind(note: str) -> str:
