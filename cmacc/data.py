@@ -77,6 +77,14 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 
 
+def loader_line(loader) -> str:
+    """Which loader runs and why, in words (train.py logs it at the start)."""
+    if isinstance(loader, ToyLoader):
+        return "the in-memory synthetic clips (--data synthetic: nothing to decode)"
+    name = "DALI" if loader.backend == "dali" else "the PyAV reference loader"
+    return f"{name}: {loader.why}"
+
+
 def clip_fetcher(loader, device):
     """(dataset index [m]) → (video, audio) of those clips on ``device``: what the pool refresh
     (``--pool-refresh``) re-encodes. The in-memory clips as they are; a manifest's clips through

@@ -232,7 +232,12 @@ def export_video(backbone: nn.Module) -> dict[str, torch.Tensor]:
 
 def _read_state(path, what: str) -> dict[str, torch.Tensor]:
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+        if str(path).endswith(".safetensors"):  # cmacc-export --format safetensors
+            from safetensors.torch import load_file
+
+            sd = load_file(path)
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise EncoderFileError(f"{path}: no such file; write it with `python -m cmacc.apps.export "
                                "RUN --out DIR`") from None

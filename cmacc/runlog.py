@@ -231,7 +231,7 @@ def plot_metrics(csv_paths: dict[str, str], out_png,
             rows = read_csv(path)
             vals = [float(r[key]) if r.get(key) not in (None, "") else NAN for r in rows]
             if any(math.isfinite(v) for v in vals):  # NaN breaks the line: a gap
-                ax.plot([int(r["step"]) for r in rows], vals, label=label)
+                ax.plot([int(r["step"]) for r in rows], vals, label=label, **point_marks(vals))
             else:
                 ax.plot([], [], linestyle="none", label=f"{label}: not measured")
         ax.set_xlabel("step")
@@ -243,6 +243,15 @@ def plot_metrics(csv_paths: dict[str, str], out_png,
             ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, out_png)
+
+
+def point_marks(values) -> dict:
+    """matplotlib line options that show a value with no finite neighbour (a run of one logged
+    row, a value between gaps), which a line alone would not draw: a marker."""
+    ok = [math.isfinite(v) for v in values]
+    alone = any(f and not (i and ok[i - 1]) and not (i + 1 < len(ok) and ok[i + 1])
+                for i, f in enumerate(ok))
+    return dict(marker="o", markersize=3) if alone else {}
 
 
 def save_figure(fig, png, dpi=110) -> Path:

@@ -51,7 +51,7 @@ from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
 from .config import Config, DataConfig, config_hash
-from .data import clip_fetcher, data_record, describe_data, train_loader
+from .data import clip_fetcher, data_record, describe_data, loader_line, train_loader
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
@@ -369,6 +369,7 @@ class Trainer:
                                        stop_past_limit=False)  # agreed: _nonfinite
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
+        log.info("loader: %s", loader_line(self.loader))
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
         model.shuffle_bn = cfg.run.shuffle_bn
         if cfg.selection.pool_refresh:

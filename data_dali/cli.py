@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from .fileio import DISK_ERRNOS  # noqa: F401 - (where commands found it first)
+from .fileio import LOCK_NAME
 
 USER_ERROR_EXIT = 2
 INTERRUPT_EXIT = 128  # + the signal's number: 130 for SIGINT (Ctrl-C), 143 for SIGTERM
@@ -80,7 +81,7 @@ def command(main=None, *, kept: str = KEPT):
     Ctrl-C / SIGTERM (or an ``Interrupted`` from a run inside) → ``interrupted; <kept>``, exit
     128 + the signal; ``--debug`` anywhere in argv keeps the traceback. ``main`` receives argv
     without --debug. A command that fails leaves no empty folder behind that its
-    ``output_folder`` created."""
+    ``output_folder`` created (one holding only the lock file of its refused run is empty)."""
     if main is None:
         return functools.partial(command, kept=kept)
 
@@ -136,6 +137,8 @@ _CREATED: list[Path] = []
 def _remove_empty_created(mark: int) -> None:
     for folder in reversed(_CREATED[mark:]):
         try:
+            if [p.name for p in folder.iterdir()] == [LOCK_NAME]:  # its run's lock (let go by now)
+                (folder / LOCK_NAME).unlink()
             folder.rmdir()  # only if empty: whatever a command finished stays
         except OSError:
             pass

@@ -133,21 +133,26 @@ class Loader:
         self._dali_checked = self.backend != "dali" or cfg.backend == "dali"
 
     def _pick_backend(self, backend):
+        """The backend that runs; ``self.why`` says why, in words (the trainer logs it)."""
         if backend == "reference":
+            self.why = "asked for (--loader reference)"
             return "reference"
         if backend == "auto" and not self.need_video:
-            return "reference"  # audio-only batches are log-mel slices: nothing to decode
+            self.why = "audio-only batches are log-mel slices: nothing to decode"
+            return "reference"
         try:
             from . import pipelines
 
             pipelines.check_available(self.device)
+            self.why = (f"asked for (--loader dali), on {self.device}" if backend == "dali" else
+                        f"--loader auto found DALI, decoding on {self.device}")
             return "dali"
         except Exception as e:  # ImportError, a missing CUDA runtime, ...
             if backend == "dali":
                 raise RuntimeError(f"DALI backend unavailable ({type(e).__name__}: {e}); install "
                                    "nvidia-dali-cuda130 or use backend='reference'") from e
-            log.warning("DALI unavailable (%s: %s); using the PyAV reference loader",
-                        type(e).__name__, e)
+            self.why = f"DALI unavailable ({type(e).__name__}: {first_line(e, 120)})"
+            log.warning("%s; using the PyAV reference loader", self.why)
             return "reference"
 
     def set_epoch(self, epoch: int, start: int = 0):
@@ -190,8 +195,8 @@ class Loader:
         except StopIteration:
             return
         except Exception as e:
-            log.warning("DALI pipeline failed (%s: %s); using the PyAV reference loader",
-                        type(e).__name__, e)
+            self.why = f"DALI's first batch failed ({type(e).__name__}: {first_line(e, 120)})"
+            log.warning("%s; using the PyAV reference loader", self.why)
             self.backend, self._dali_checked, self._stream = "reference", True, None
             yield from self._iter_reference(batches)
             return

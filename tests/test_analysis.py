@@ -7,6 +7,7 @@ import csv
 import itertools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,3 +143,89 @@ def test_analyses_add_their_sections_to_one_report(tiny_run, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "## Gradient-norm gallery" in report and "## Pretext accuracy per class" in report
     assert sorted(json.loads((out / "results.json").read_text())) == ["gallery", "perclass"]
+
+
+def _drawn_at(saved, x, y, colour, tol=0.06) -> bool:
+    """Whether the PNG of ``saved`` ((figure, png) as save_figure got them) has pixels of
+    ``colour`` within 4 pixels of the data point (x, y) of its first axes (away from the
+    legend, whose sample line has the same colour)."""
+    import matplotlib.colors
+    import matplotlib.image
+
+    fig, png = saved
+    fx, fy = fig.axes[0].transData.transform((x, y)) / (fig.bbox.width, fig.bbox.height)
+    img = matplotlib.image.imread(png)[..., :3]
+    r, c = int(round((1 - fy) * img.shape[0])), int(round(fx * img.shape[1]))
+    near = img[r - 4:r + 5, c - 4:c + 5]
+    return bool((np.abs(near - matplotlib.colors.to_rgb(colour)).max(-1) < tol).any())
+
+
+def _saving(monkeypatch, module) -> dict:
+    """{png name: (figure, png)} of every figure ``module.save_figure`` writes from now on."""
+    saved, save = {}, module.save_figure
+    monkeypatch.setattr(module, "save_figure", lambda fig, png, **k: saved.update(
+        {Path(png).name: (fig, png)}) or save(fig, png, **k))
+    return saved
+
+
+def test_a_run_of_one_logged_row_is_drawn(tmp_path, monkeypatch):
+    """cmacc.apps.plot of a run that logged one row: its value is on the figure (a marker;
+    a line through one point draws nothing), in the run's colour."""
+    from cmacc import runlog
+    from cmacc.apps import plot
+
+    saved = _saving(monkeypatch, runlog)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.csv").write_text("step,loss\n5,2.5\n")
+    assert plot.main([str(run), "--keys", "loss", "--out", str(tmp_path / "c.png")]) == 0
+    assert _drawn_at(saved["c.png"], 5, 2.5, "C0")
+
+
+def test_the_mi_diversity_figure_has_its_own_title_and_draws_one_window_runs(tmp_path,
+                                                                             monkeypatch):
+    """mi_diversity.png is titled as what it shows (not "training curves"), and a run of one
+    window is drawn (a marker), so no legend entry names a method the figure does not show."""
+    import importlib
+
+    report = importlib.import_module("cmacc.apps.mi.report")
+    one = [{"seed": 0, "unique_per_m": [0.5], "coverage": [0.9], "loss": [1.0], "acc": [0.1]}]
+    res = dict(chars=[4], runs={"CM-ACC": {"4": one}}, config=dict(window=10),
+               diversity_law={"4": {"unique_per_m": 0.4, "coverage": 0.8}})
+    saved = _saving(monkeypatch, report)
+    monkeypatch.setattr(report, "report", lambda results: "")  # (the figures only)
+    monkeypatch.setattr(report, "_plot", lambda results, png: None)
+    report.write_outputs(res, tmp_path)
+    assert {png: fig._suptitle.get_text() for png, (fig, _) in saved.items()} == {"mi_curves.png": "training curves, mean over the 1 seed(s) run",
+                      "mi_diversity.png": "negative diversity over training, mean over the 1 "
+                                          "seed(s) run"}
+    assert _drawn_at(saved["mi_diversity.png"], 10, 0.5, report._color("CM-ACC"))
+    assert _drawn_at(saved["mi_curves.png"], 10, 1.0, report._color("CM-ACC"))
+
+
+def test_diversity_says_when_few_classes_saturate_unique_per_m(tiny_prepared, tmp_path):
+    """C <= M: every sampler reaches unique/M = C/M, so the analysis says so (log and report),
+    with the ceiling and random's expected value; C > M (the default setting) says nothing."""
+    _, prepared = tiny_prepared
+    with open(prepared / "manifest.csv", newline="") as f:
+        c = len({r["label"] for r in csv.DictReader(f)})  # 2 classes, 12 clips
+    cfg = analysis.run_config(tmp_path, "random", 1, data=str(prepared / "manifest.csv"))
+    m = cfg.model.batch_size
+    law = analysis.diversity_law(cfg)
+    assert (law["classes"], law["ceiling"]) == (c, c / m) == (2, 0.125)
+    assert law["random_law"] is None  # 12 clips < M = 16: no random batch of M to speak of
+    assert f"C = 2 classes <= M = {m}" in law["saturated"] and "C/M = 0.125" in law["saturated"]
+    # synthetic, 4 uniform classes of 24 clips: random's E[U] = sum_c 1 - C(72, M) / C(96, M)
+    syn = analysis.run_config(tmp_path, "random", 1, sections=dict(data=dict(
+        classes=4, clips=96, class_dist="uniform")))
+    want = 4 * (1 - math.comb(72, m) / math.comb(96, m)) / m
+    law = analysis.diversity_law(syn)
+    assert law["random_law"] == pytest.approx(want) and f"random's expected: {want:.3f}" in \
+        law["saturated"]
+    st = dict(M=m, K=64, N=96, tau_p=1.0, grad_view="head", steps=1, seeds=1,
+              data="x", saturated=law["saturated"])
+    assert f"**Warning: {law['saturated']}.**" in analysis.diversity_report(
+        {"setting": st, "table": {}})
+    default = analysis.run_config(tmp_path, "random", 1, sections=dict(
+        data=analysis.DIVERSITY_DATA))
+    assert analysis.diversity_law(default)["saturated"] is None

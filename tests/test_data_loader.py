@@ -183,3 +183,37 @@ def test_persistent_workers_follow_the_epochs(data):
     assert workers.builds == inline.builds == 1
     assert workers._ref.dl.persistent_workers
     assert any(starts[0][i] != starts[1].get(i, starts[0][i]) for i in starts[0])  # reshuffled draws
+
+
+def test_the_log_says_which_loader_runs_and_why(tiny_prepared, tmp_path, monkeypatch, caplog):
+    """One line at the start of train.py names the loader and the reason: asked for, audio-only
+    (nothing to decode), DALI missing (what failed), or the synthetic clips in memory."""
+    import logging
+
+    import train
+    from cmacc.config import DataConfig
+    from cmacc.data import loader_line, train_loader
+    from data_dali import pipelines
+
+    def cfg(**kw):
+        return DataConfig(source=str(tiny_prepared[1] / "manifest.csv"), frames=4, size=16,
+                          workers=0, **kw)
+
+    assert loader_line(train_loader(cfg(loader="reference"), batch_size=4, seed=0)) == \
+        "the PyAV reference loader: asked for (--loader reference)"
+    assert loader_line(data_dali.build_loader(cfg().source, batch_size=4, clip_frames=4,
+                                              crop=16, need_video=False, num_workers=0)) == \
+        "the PyAV reference loader: audio-only batches are log-mel slices: nothing to decode"
+
+    def missing(device):
+        raise ImportError("No module named 'nvidia.dali'")
+
+    monkeypatch.setattr(pipelines, "check_available", missing)
+    assert loader_line(train_loader(cfg(loader="auto"), batch_size=4, seed=0)) == \
+        "the PyAV reference loader: DALI unavailable (ImportError: No module named 'nvidia.dali')"
+    with caplog.at_level(logging.INFO, logger="cmacc"):
+        train.main(["--preset", "tiny", "--clips", "24", "--classes", "4", "--batch-size", "4",
+                    "--dict-size", "8", "--pool-size", "16", "--steps", "1",
+                    "--out", str(tmp_path / "run")])
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loader: ")]
+    assert said == ["loader: the in-memory synthetic clips (--data synthetic: nothing to decode)"]

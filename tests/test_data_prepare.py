@@ -345,3 +345,71 @@ def test_progress_lines_with_the_total_when_the_log_is_not_a_terminal(tmp_path, 
     err = capsys.readouterr().err  # (pytest's stderr is not a terminal: no bar is drawn)
     assert re.search(r"prepare: 1/2 files \(50%\), eta \d+s", err), err
     assert "prepare: 2/2 files (100%), eta 0s" in err
+
+
+def test_class_folders_named_like_splits_are_warned_about(tmp_path):
+    """Kinetics' own layout (train/, val/, test/ of class folders) scanned as class folders
+    would make the split the label: the scan says so in one line, naming the folders."""
+    for split in ("train", "val", "test"):
+        (tmp_path / split / "abseiling").mkdir(parents=True)
+        (tmp_path / split / "abseiling" / "x.mp4").write_bytes(b"")
+    items, warnings = prep.scan(tmp_path)
+    assert {i["class_name"] for i in items} == {"train", "val", "test"}
+    said = [w for w in warnings if "look like splits" in w]
+    assert len(said) == 1 and "test/, train/, val/" in said[0] and "--layout list" in said[0]
+    (tmp_path / "val").rename(tmp_path / "zumba")  # one split-named folder is enough to say so
+    assert not any("zumba" in w for w in prep.scan(tmp_path)[1])
+
+
+def _tone_clip(path, hz):
+    t = np.arange(8000) / 16000
+    synthetic.write_av(path, np.full((8, 32, 32, 3), 90, np.uint8), 10,
+                       (0.3 * np.sin(2 * np.pi * hz * t)).astype(np.float32), 16000)
+
+
+def test_kinetics_layout_reads_the_annotation_csvs_and_rejects_listed_missing_clips(tmp_path):
+    """The official CSVs (label,youtube_id,time_start,time_end,split; test.csv without labels
+    in Kinetics-400's first release) against clips named {id}_{start:06d}_{end:06d}.mp4 in
+    class folders or flat: labels from the CSV, validate = split1 test, the official test set =
+    split2 test, a listed clip without a file rejected, a file in no list left out (warned)."""
+    src, ann = tmp_path / "k400", tmp_path / "annotations"
+    _tone_clip(src / "abseiling" / "aaa_000010_000020.mp4", 300)
+    _tone_clip(src / "zumba" / "bbb_000001_000011.mp4", 500)
+    _tone_clip(src / "ccc_000000_000010.mp4", 700)  # flat
+    _tone_clip(src / "zumba" / "stray_000000_000010.mp4", 900)
+    ann.mkdir()
+    (ann / "train.csv").write_text("label,youtube_id,time_start,time_end,split,is_cc\n"
+                                   "abseiling,aaa,10,20,train,0\nzumba,bbb,1,11,train,0\n"
+                                   "abseiling,gone,5,15,train,0\n")
+    (ann / "validate.csv").write_text("label,youtube_id,time_start,time_end,split\n"
+                                      "zumba,ccc,0,10,val\n")
+    (ann / "test.csv").write_text("youtube_id,time_start,time_end,split\nddd,0,10,test\n")
+    s = prep.prepare(src, tmp_path / "out", layout="kinetics", splits=ann, workers=1,
+                     progress=False, cfg=prep.PrepareConfig(min_seconds=0.5))
+    rows = {r["source"]: (r["label"], r["class_name"], r["split1"], r["split2"])
+            for r in _csv(tmp_path / "out" / "manifest.csv")}
+    assert rows == {"abseiling/aaa_000010_000020.mp4": ("0", "abseiling", "train", "train"),
+                    "zumba/bbb_000001_000011.mp4": ("1", "zumba", "train", "train"),
+                    "ccc_000000_000010.mp4": ("1", "zumba", "test", "")}
+    rejects = {r["file"]: r["reason"] for r in _csv(tmp_path / "out" / "rejects.csv")}
+    assert rejects == {"gone_000005_000015.mp4": "missing file (listed in train.csv, class abseiling)",
+                       "ddd_000000_000010.mp4": "missing file (listed in test.csv, class -)"}
+    assert s["rejects_by_reason"] == {"missing file": 2}
+    assert any("1 video files of SRC that no annotation file lists" in w for w in s["warnings"])
+    with pytest.raises(prep.PrepareError, match="--layout kinetics needs --splits"):
+        prep.scan(src, "kinetics")
+
+
+def test_a_note_on_every_clip_of_one_class_is_summarised_per_class(tmp_path):
+    """Every clip of one class silent (and not the other's): one warning naming the class,
+    and the summary's noted_whole_class; a note every clip has (no class told apart) is not."""
+    for k in range(2):
+        _tiny(tmp_path / "src" / "quiet" / f"q{k}.mp4")  # silent sound track
+        _tone_clip(tmp_path / "src" / "loud" / f"l{k}.mp4", 400 + 100 * k)
+    s = prep.prepare(tmp_path / "src", tmp_path / "out", workers=1, progress=False,
+                     cfg=prep.PrepareConfig(min_seconds=0.5))
+    assert s["noted"] == {"audio shorter than video": 4, "silent audio": 2}  # the first: all 4
+    assert s["noted_whole_class"] == {"quiet": ["silent audio"]}
+    said = [w for w in s["warnings"] if "every clip of class" in w]
+    assert said == ["every clip of class 'quiet' is noted 'silent audio': a probe could tell the "
+                    "class by that alone; check its sources"]

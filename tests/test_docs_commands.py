@@ -81,8 +81,11 @@ PLAN = [  # (regex matched against the command from its start, Run or Skip); fir
     (r"make test$", Skip("the test suite itself (this test is part of it)")),
     (r"make demo$", Skip(MINUTES.format("its MP4s are encoded and six runs pretrained and "
                                         "probed; runs/demo here is a stand-in (workspace)"))),
-    (r"python -m data_dali\.prepare (UCF-101|hmdb51|ESC-50-master) ",
+    (r"python -m data_dali\.prepare (UCF-101|hmdb51|ESC-50-master|kinetics400) ",
      Skip("needs that dataset downloaded")),
+    (r"(python -m data_dali\.manifest_tools subset|python train\.py --data) data/ucf101/",
+     Skip("needs UCF-101 prepared")),
+    (r"python -m cmacc\.apps\.eval runs/ucf_train_only ", Skip("needs UCF-101 prepared")),
     (r"python -m data_dali\.prepare ~/videos data/my_set --layout list",
      Skip("needs your videos and their list file")),
     (r"python -m data_dali\.prepare ~/sounds ", Skip("needs a folder of your sounds")),

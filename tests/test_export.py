@@ -80,7 +80,7 @@ def test_cli_on_a_tiny_run_writes_weights_only_files_and_a_model_card(tiny_run, 
     out = tmp_path / "exported"
     assert ex.main([str(tiny_run), "--out", str(out)]) == 0
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["audio_resnet1d.pt", "model_card.json", "video_r3d_18.pt"]
+    assert files == ["README.md", "audio_resnet1d.pt", "model_card.json", "video_r3d_18.pt"]
     for name in ("audio_resnet1d.pt", "video_r3d_18.pt"):
         sd = torch.load(out / name, weights_only=True)
         assert sd and all(isinstance(v, torch.Tensor) for v in sd.values())
@@ -110,17 +110,64 @@ def test_cli_on_a_tiny_run_writes_weights_only_files_and_a_model_card(tiny_run, 
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
 
 
+def test_safetensors_files_load_into_torchvision_and_the_card_names_data_steps_and_results(
+        tiny_run, tmp_path):
+    """--format torch safetensors: the .safetensors files hold the .pt files' tensors (so
+    torchvision's model loads them as it loads the .pt: test above), the stand-alone loaders
+    read them, and README.md is a Hugging Face style card: front matter with the results'
+    model-index, the data with its hash, the steps, the loading lines, each result with its
+    data."""
+    from safetensors.torch import load_file
+
+    from cmacc.apps import eval as ev
+
+    assert ev.main([str(tiny_run), "--modality", "audio", "--out", str(tmp_path / "ev")]) == 0
+    run = tmp_path / "run"  # a copy, so that the session's tiny_run keeps no eval of ours
+    run.mkdir()
+    (run / "ckpt_00000006.pt").write_bytes((tiny_run / "ckpt_00000006.pt").read_bytes())
+    (run / "eval").mkdir()
+    for f in (tmp_path / "ev").glob("eval_*.json"):
+        (run / "eval" / f.name).write_bytes(f.read_bytes())
+    out = tmp_path / "exported"
+    assert ex.main([str(run), "--out", str(out), "--format", "torch", "safetensors"]) == 0
+    for name in ("video_r3d_18", "audio_resnet1d"):
+        pt = torch.load(out / f"{name}.pt", weights_only=True)
+        st = load_file(out / f"{name}.safetensors")
+        assert st.keys() == pt.keys() and all(torch.equal(st[k], pt[k]) for k in pt)
+    a = load_audio_encoder(out / "audio_resnet1d.safetensors").double()
+    b = load_audio_encoder(out / "audio_resnet1d.pt").double()
+    mel = torch.randn(2, 80, 40, dtype=torch.float64)
+    torch.testing.assert_close(a(mel), b(mel), rtol=0, atol=0)
+    _, what = ev.load_encoder(out / "audio_resnet1d.safetensors")  # cmacc-eval takes it too
+    assert what["modality"] == "audio" and what["step"] == 6
+    card = json.loads((out / "model_card.json").read_text())
+    readme = (out / "README.md").read_text()
+    (result, res), = card["eval"].items()
+    assert readme.startswith("---\nlibrary_name: pytorch\n") and "model-index:" in readme
+    assert f"metrics: [{{type: top1, value: {res['top1_mean']}}}]" in readme
+    for said in ("## Method", "## Training data", "`synthetic (--clips 96, ", "6 steps from checkpoint",
+                 f"| {result} | audio | linear | {res['top1_mean']:.4f} | synthetic |",
+                 "load_audio_encoder('audio_resnet1d.pt')"):
+        assert said in readme, said
+    assert card["audio"]["files"] == ["audio_resnet1d.pt", "audio_resnet1d.safetensors"]
+
+
 def test_documented_lines_load_the_export_in_a_fresh_python(tmp_path):
     model = _paper_size_model("r3d_18")
-    torch.save(ex.export(model)["video_r3d_18.pt"], tmp_path / "video_r3d_18.pt")
+    sd = ex.export(model)["video_r3d_18.pt"]
+    torch.save(sd, tmp_path / "video_r3d_18.pt")
+    ex.save_weights(sd, tmp_path / "video_r3d_18.safetensors")
     code = ("import torch, torchvision\n"
             "model = torchvision.models.video.r3d_18()\n"
             "model.fc = torch.nn.Identity()\n"
             "model.load_state_dict(torch.load('video_r3d_18.pt', weights_only=True))\n"
+            "print(model.eval()(torch.zeros(1, 3, 4, 16, 16)).shape)\n"
+            "import safetensors.torch\n"
+            "model.load_state_dict(safetensors.torch.load_file('video_r3d_18.safetensors'))\n"
             "print(model.eval()(torch.zeros(1, 3, 4, 16, 16)).shape)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert "torch.Size([1, 512])" in res.stdout
+    assert res.stdout.split() == ["torch.Size([1,", "512])"] * 2
 
 
 def test_loaders_refuse_what_is_not_an_exported_encoder(tmp_path):

@@ -171,6 +171,20 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_a_run_lets_go_when_it_en
     hold_folder(out).close()  # free again: the run let go of it
 
 
+def test_a_refused_run_removes_the_folders_it_made_and_only_those(tmp_path, capsys):
+    """--data that is no manifest is refused after --out was made and locked: the folders the
+    command created go again (lock file and all); a folder that was there before stays."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for out in (tmp_path / "new" / "run", kept / "run"):
+        with pytest.raises(SystemExit) as e:
+            train.main(TINY + ["--steps", "2", "--data", str(tmp_path / "none.csv"),
+                               "--out", str(out)])
+        assert e.value.code == 2 and "no manifest" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert list(kept.iterdir()) == []
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--sampler", "nope"], "invalid choice"),
     (["--dict-size", "4"], "--dict-size K=4 must be >= --batch-size M=16"),

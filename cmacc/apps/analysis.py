@@ -121,25 +121,55 @@ def diversity(out, steps=DIVERSITY_STEPS, data="synthetic", samplers=tuple(SAMPL
     data_over = DIVERSITY_DATA if data_over is None else data_over
     curves, summaries = {}, {}
     runs = diversity_runs(out, samplers, seeds, data_over, selection_over)
+    cfg = run_config(out, samplers[0], steps, data=data, sections=next(iter(runs.values()))[1])
+    law = diversity_law(cfg)
+    if law["saturated"]:
+        log.warning("%s", law["saturated"])
     for run_dir, (s, sections) in runs.items():
         summary = pretrain(run_dir, s, steps, data=data, sections=sections)
         if data == "synthetic":
             summary.update(key_diagnostics(run_dir))
         summaries.setdefault(s, []).append(summary)
         curves.setdefault(s, []).append(read_csv(run_dir / "metrics.csv"))
-    cfg = run_config(out, samplers[0], steps, data=data, sections=next(iter(runs.values()))[1])
-    m, random_law = cfg.model.batch_size, None
-    if cfg.data.synthetic:  # E[U] / M of a random batch, from the class quotas
-        counts = class_counts(cfg.data.class_dist, cfg.data.clips, cfg.data.classes)
-        random_law = expected_unique(counts, m) / m
+    m, random_law = cfg.model.batch_size, law["random_law"]
     table = {s: diversity_row(rows, summaries[s], None if s == "random" else curves.get("random"))
              for s, rows in curves.items()}
     setting = dict(M=m, K=cfg.model.dict_size, N=cfg.selection.pool_size, steps=steps,
-                   seeds=seeds, data=data, random_law=random_law, tau_p=cfg.selection.tau_p,
+                   seeds=seeds, data=data, random_law=random_law, C=law["classes"],
+                   ceiling=law["ceiling"], saturated=law["saturated"], tau_p=cfg.selection.tau_p,
                    grad_view=cfg.selection.grad_view,
                    **({k: getattr(cfg.data, k) for k in DIVERSITY_DATA} if cfg.data.synthetic else {}))
     png = plot_diversity(curves, out / "diversity.png", random_law)
     return {"png": str(png), "setting": setting, "table": table, "runs": summaries}
+
+
+def diversity_law(cfg: Config) -> dict:
+    """What unique/M can be on a run's data: C labelled categories (the synthetic clips' class
+    quotas, or the labels of a manifest's clips with video and audio), the ceiling min(C, M)/M
+    that no sampler passes, random sampling's expected unique/M (``expected_unique``; None when
+    the data holds fewer than M clips) and, when C <= M, the line saying that every sampler
+    then reaches the ceiling: unique/M and coverage cannot tell them apart."""
+    m = cfg.model.batch_size
+    if cfg.data.synthetic:
+        counts = class_counts(cfg.data.class_dist, cfg.data.clips, cfg.data.classes)
+    else:
+        from data_dali.manifest import Manifest
+
+        man = Manifest(cfg.data.source)
+        labels = man.label_array[man.select()]
+        counts = [int((labels == c).sum()) for c in sorted(set(labels.tolist()) - {-1})]
+    c = sum(1 for k in counts if k > 0)
+    law = expected_unique(counts, m) / m if m <= sum(counts) else None
+    ceiling = min(c, m) / m
+    saturated = None
+    if c <= m:
+        saturated = (f"unique/M is saturated on {cfg.data.source}: C = {c} classes <= M = {m}, "
+                     f"so a batch's M negatives hold at most C categories and unique/M is at "
+                     f"most C/M = {ceiling:.3f} for every sampler (random's expected: "
+                     + (f"{law:.3f}" if law is not None else "not defined, fewer clips than M")
+                     + "); unique/M and coverage cannot tell the samplers apart: use data with "
+                     f"more classes than M (2M = {2 * m} or more)")
+    return dict(classes=c, ceiling=ceiling, random_law=law, saturated=saturated)
 
 
 def window(rows: list[dict], key: str, which: str) -> float:
@@ -395,6 +425,7 @@ def diversity_report(res: dict) -> list[str]:
     lines = ["## Negative-category diversity per iteration (paper Fig. 3)", "",
              f"M = {st['M']}, K = {st['K']}, N = {st['N']}, τ_p = {st['tau_p']}, gradient view "
              f"{st['grad_view']}, {st['steps']} steps, {st['seeds']} seeds; {data}.{law}", "",
+             *([f"**Warning: {st['saturated']}.**", ""] if st.get("saturated") else []),
              "![diversity](diversity.png)", "",
              "unique/M = distinct categories among the M negatives enqueued per step / M (the "
              "paper appendix's metric); coverage = distinct categories / min(M, C) (1.0 = "

@@ -111,7 +111,12 @@ def load_encoder(path, modality=None) -> tuple[nn.Module, dict]:
     state = None
     if p.is_file():
         try:
-            state = ckpt.load(p)
+            if p.suffix == ".safetensors":  # cmacc-export --format safetensors
+                from safetensors.torch import load_file
+
+                state = load_file(p)
+            else:
+                state = ckpt.load(p)
         except Exception:  # noqa: BLE001 - not a torch file: load_pretrained says why
             state = None
     if not _is_state_dict(state):

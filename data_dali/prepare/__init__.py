@@ -10,6 +10,7 @@ precompute the 80-band log-mel, and write the manifest (the only thing loaders r
     python -m data_dali.prepare UCF-101 OUT --layout ucf101 --splits ucfTrainTestlist
     python -m data_dali.prepare hmdb51 OUT --layout hmdb51 --splits testTrainMulti_7030_splits
     python -m data_dali.prepare ESC-50-master OUT --layout esc50   # audio/*.wav + meta/esc50.csv
+    python -m data_dali.prepare kinetics400 OUT --layout kinetics --splits annotations  # *.csv
     python -m data_dali.prepare SOUNDS OUT --audio-only            # SRC/<class>/<audio files>
 
 Outputs: OUT/clips/<path in SRC>.webm|.flac|.mel.npy (prepared media, named after the whole

@@ -30,6 +30,8 @@ def _assign_outputs(items: list[dict], src: Path, out: Path) -> None:
     seen: dict[str, str] = {}
     folded = Counter(os.path.normpath(it["rel"]).lower() for it in items)
     for it in items:
+        if it.get("reject"):  # rejected by the scan (a listed clip without a file)
+            continue
         name = os.path.normpath(it["rel"]).replace(os.sep, "/")
         resolved = (src / name).resolve()  # a symbolic link's target may live anywhere ...
         if os.path.isabs(name) or name.split("/")[0] in ("..", "."):  # ... the link not

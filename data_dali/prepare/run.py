@@ -107,7 +107,8 @@ def _finish(out: Path, items, results, warnings) -> dict:
     if all(it["label"] is not None for it in items):
         label_of = {it["class_name"]: it["label"] for it in items}
     else:
-        label_of = {c: i for i, c in enumerate(sorted({it["class_name"] for it in items}))}
+        label_of = {c: i for i, c in enumerate(sorted({it["class_name"] for it in items
+                                                       if it["label"] is None}))}
     rows, rejects, reasons, noted, skipped = [], [], Counter(), Counter(), 0
     for it, rec, was_done in results:
         skipped += was_done
@@ -130,17 +131,40 @@ def _finish(out: Path, items, results, warnings) -> dict:
                         "removed sources or of an older data_dali); delete that folder and run "
                         "again to drop them")
         log.warning("%s", warnings[-1])
+    by_class = whole_class_notes(rows)
+    for c, kinds in by_class.items():
+        warnings.append(f"every clip of class {c!r} is noted {' and '.join(map(repr, kinds))}: "
+                        "a probe could tell the class by that alone; check its sources")
+        log.warning("%s", warnings[-1])
     summary = dict(files=len(items), kept=len(rows), rejected=len(rejects),
                    skipped_done=skipped, processed=len(items) - skipped,
                    classes=len({r["label"] for r in rows} - {UNLABELED}),
                    unlabeled=sum(1 for r in rows if r["label"] == UNLABELED),
                    video_only=sum(1 for r in rows if r["video"] and not r["audio_present"]),
                    rejects_by_reason=dict(sorted(reasons.items())), noted=dict(sorted(noted.items())),
+                   noted_whole_class=by_class,
                    warnings=warnings, manifest=str(out / "manifest.csv"),
                    rejects=str(out / "rejects.csv"))
     log.info("kept %d of %d files (%d rejected, see %s)", len(rows), len(items), len(rejects),
              out / "rejects.csv")
     return summary
+
+
+def whole_class_notes(rows: list[dict]) -> dict[str, list[str]]:
+    """{class name: the note kinds every kept clip of that class has}, for classes of two or
+    more clips and kinds that not every clip of the dataset has (e.g. one class all silent): a
+    probe would score from them."""
+    kinds = [{note_kind(n) for n in filter(None, r.get("notes", "").split(" | "))} for r in rows]
+    everywhere = set.intersection(*kinds) if kinds else set()
+    per_class: dict[str, set] = {}
+    size = Counter()
+    for r, k in zip(rows, kinds):
+        if r["label"] != UNLABELED:
+            name = r["class_name"] or str(r["label"])
+            per_class[name] = per_class[name] & k if name in per_class else set(k)
+            size[name] += 1
+    return {c: sorted(k - everywhere) for c, k in sorted(per_class.items())
+            if k - everywhere and size[c] > 1}
 
 
 def note_kind(note: str) -> str:
@@ -178,8 +202,9 @@ def main(argv=None):
                    help="auto: esc50 if SRC/meta/esc50.csv exists, list if --list, else folders")
     p.add_argument("--list", dest="list_file", help="CSV with a header path,label[,split][,fold][,class_name]; "
                    "paths relative to SRC (layout list)")
-    p.add_argument("--splits", help="folder of official split files (ucf101: ucfTrainTestlist, "
-                   "hmdb51: testTrainMulti_7030_splits)")
+    p.add_argument("--splits", help="official split files (ucf101: the ucfTrainTestlist folder, "
+                   "hmdb51: testTrainMulti_7030_splits, kinetics: the annotation CSVs, a folder of "
+                   "them or one file)")
     p.add_argument("--audio-only", action="store_true", help="an audio dataset (implied by esc50)")
     p.add_argument("--fps", type=float, default=10.0, help="target frame rate (default: 10, the paper's)")
     p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even; default: 128)")

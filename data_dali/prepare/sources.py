@@ -1,5 +1,6 @@
 """Scanning a source folder into items {rel, class_name, label?, split1..3, fold[, reject]}:
-the layouts (class folders, a list file, UCF101, HMDB51, ESC-50) and their official splits.
+the layouts (class folders, a list file, UCF101, HMDB51, ESC-50, Kinetics) and their official
+splits.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ def _item(rel, class_name, split1="", fold="", label=None):
                 split1=split1, split2="", split3="", fold=str(fold))
 
 
-LAYOUTS = ("auto", "folders", "list", "ucf101", "hmdb51", "esc50")
-SPLIT_DIRS = {"ucf101": "ucfTrainTestlist", "hmdb51": "testTrainMulti_7030_splits"}
+LAYOUTS = ("auto", "folders", "list", "ucf101", "hmdb51", "esc50", "kinetics")
+SPLIT_DIRS = {"ucf101": "ucfTrainTestlist", "hmdb51": "testTrainMulti_7030_splits",
+              "kinetics": "annotation CSVs (train.csv, validate.csv, test.csv)"}
+# folder names that are splits, not classes (Kinetics' own download layout: train/, val/, test/)
+SPLIT_NAMES = {"train", "training", "val", "valid", "validate", "validation", "test", "testing"}
 
 
 def scan(src: Path, layout: str = "auto", list_file=None, splits=None,
@@ -39,13 +43,18 @@ def scan(src: Path, layout: str = "auto", list_file=None, splits=None,
         raise PrepareError(f"--list {list_file} is only read with --layout list (not {layout}); "
                            "drop it or pass --layout list")
     if splits and layout not in SPLIT_DIRS:
-        raise PrepareError(f"--splits {splits} is only read with --layout ucf101 or hmdb51 (not "
+        raise PrepareError(f"--splits {splits} is only read with --layout ucf101, hmdb51 or kinetics (not "
                            f"{layout}); drop it or pass the layout")
     warnings: list[str] = []
     if layout == "list":
         return _scan_list(list_file), warnings
     if layout == "esc50":
         return _scan_esc50(src), warnings
+    if layout == "kinetics":
+        if not splits:
+            raise PrepareError(f"--layout kinetics needs --splits (the {SPLIT_DIRS['kinetics']}, "
+                               "a folder of them or one file)")
+        return _scan_kinetics(src, Path(splits), exclude)
     exts = AUDIO_EXT if audio_only else VIDEO_EXT
     items, skipped, outputs = [], Counter(), []
     for cls in sorted(p for p in src.iterdir() if p.is_dir() and not p.name.startswith(".")):
@@ -56,6 +65,12 @@ def scan(src: Path, layout: str = "auto", list_file=None, splits=None,
                 items.append(_item(f.relative_to(src), cls.name))
             else:
                 skipped[f.suffix.lower() or "(none)"] += 1
+    named = sorted(p.name + "/" for p in src.iterdir() if p.is_dir() and p.name.lower() in SPLIT_NAMES)
+    if named and layout == "folders":
+        warnings.append(f"class folders {', '.join(named)} look like splits, not classes: a probe "
+                        "would learn the split; prepare with --layout list --list FILE (path,"
+                        "label,split) or, for Kinetics, --layout kinetics --splits with its "
+                        "annotation CSVs")
     top = [f for f in sorted(src.iterdir()) if f.is_file() and not f.name.startswith(".")
            and f.suffix.lower() in exts]
     if top and layout == "folders":
@@ -160,6 +175,48 @@ def _scan_list(list_file) -> list[dict]:
         items.append(_item(r["path"].strip(), name, split1=(r.get("split") or "").strip(),
                            fold=(r.get("fold") or "").strip(), label=label))
     return items
+
+
+KINETICS_SPLITS = {"train": ("train", "train"), "validate": ("test", ""), "val": ("test", ""),
+                   "test": ("", "test")}  # official split -> (split1, split2)
+
+
+def _scan_kinetics(src: Path, annotations: Path, exclude) -> tuple[list[dict], list[str]]:
+    """Kinetics as it comes: the annotation CSVs (label,youtube_id,time_start,time_end,split;
+    a test file may lack the label) name each clip ``{youtube_id}_{start:06d}_{end:06d}.mp4``,
+    found anywhere under SRC (class folders or flat). split1 = train / test (the official
+    validation set, where Kinetics results are reported), split2 = train / the official test
+    set. A listed clip without a file is a reject ("missing file"); files in no list, a warning."""
+    files = sorted(annotations.glob("*.csv")) if annotations.is_dir() else [annotations]
+    if not files:
+        raise PrepareError(f"--splits {annotations}: no .csv files; pass the folder of the "
+                           f"Kinetics {SPLIT_DIRS['kinetics']} or one of them")
+    found = {f.stem: f.relative_to(src) for f in _files(src, exclude, []) if
+             f.suffix.lower() in VIDEO_EXT and not f.name.startswith(".")}
+    items, listed = [], set()
+    for f in files:
+        hint = "pass Kinetics annotation CSVs (label,youtube_id,time_start,time_end,split)"
+        rows = _read_table(f, "--splits", {"youtube_id", "time_start", "time_end"}, hint)
+        for n, r in enumerate(rows, start=1):
+            try:
+                name = f"{r['youtube_id']}_{int(float(r['time_start'])):06d}_{int(float(r['time_end'])):06d}"
+            except (TypeError, ValueError):
+                raise PrepareError(f"--splits {f}, row {n} after the header: time_start / "
+                                   f"time_end are not numbers; {hint}") from None
+            split = (r.get("split") or f.stem).strip().lower()
+            s1, s2 = KINETICS_SPLITS.get(split, ("", ""))
+            label = (r.get("label") or "").strip()
+            it = _item(found.get(name, f"{name}.mp4"), label, split1=s1,
+                       label=None if label else UNLABELED)
+            it["split2"] = s2
+            if name not in found:
+                it["reject"] = f"missing file (listed in {f.name}, class {label or '-'})"
+            listed.add(name)
+            items.append(it)
+    unlisted = sorted(set(found) - listed)
+    warnings = [f"left out {len(unlisted)} video files of SRC that no annotation file lists "
+                f"(e.g. {found[unlisted[0]]})"] if unlisted else []
+    return items, warnings
 
 
 def _ucf_splits(items, d: Path) -> list[str]:

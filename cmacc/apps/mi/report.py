@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from cmacc.metrics import format_ci, mean_ci
-from cmacc.runlog import save_figure
+from cmacc.runlog import point_marks, save_figure
 from data_dali.fileio import atomic_write_text
 
 from .train import ALL_METHODS, DIVERSITY, METHODS
@@ -29,7 +29,8 @@ def write_outputs(results: dict, out: Path) -> None:
     atomic_write_text(out / "report.md", report(results))
     _plot(results, out / "mi.png")
     _plot_curves(results, out / "mi_curves.png")
-    _plot_curves(results, out / "mi_diversity.png", DIVERSITY_ROWS, results.get("diversity_law"))
+    _plot_curves(results, out / "mi_diversity.png", DIVERSITY_ROWS, results.get("diversity_law"),
+                 title="negative diversity over training")
 
 
 def _runs(results, m, l, key=None):
@@ -293,7 +294,8 @@ def _plot(results, png, methods=None):
 
 
 def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
-                                     ("acc", "pretext accuracy (window mean)")), law=None):
+                                     ("acc", "pretext accuracy (window mean)")), law=None,
+                 title="training curves"):
     """Per-window figures of training (default: the loss, what the plateau rule reads, and the
     pretext accuracy), one column per l, mean over seeds per method: where each run stopped,
     and whether it had flattened. ``law``: {l: {row key: value}}, drawn as a dashed line
@@ -318,7 +320,8 @@ def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
                     continue
                 n = min(len(r[key]) for r in runs)
                 mean = [statistics.fmean(r[key][i] for r in runs) for i in range(n)]
-                ax.plot([window * (i + 1) for i in range(n)], mean, label=m, color=_color(m))
+                ax.plot([window * (i + 1) for i in range(n)], mean, label=m, color=_color(m),
+                        **point_marks(mean))
             if law and str(l) in law:
                 ax.axhline(law[str(l)][key], color="grey", ls="--", lw=1, label="random law")
             ax.grid(alpha=0.3)
@@ -331,6 +334,6 @@ def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
     fig.legend(list(handles.values()), list(handles), loc="upper right", fontsize=7)
     n_seeds = _seeds_run(results, methods, ls)
-    fig.suptitle(f"training curves, mean over the {n_seeds} seed(s) run", fontsize=9)
+    fig.suptitle(f"{title}, mean over the {n_seeds} seed(s) run", fontsize=9)
     fig.tight_layout(rect=(0, 0, 0.93, 1))
     save_figure(fig, png)
