@@ -103,6 +103,18 @@ def test_lazy_variant_with_nonfinite_rows_duplicates_and_every_candidate_drawn()
                        ref.kmeanspp(a16, b16, 12, seed=3).cpu())
 
 
+def test_lazy_selection_plan_reads_the_pool_buffer_and_picks_as_the_reference(monkeypatch):
+    """kernels.select(variant='lazy') -- what `train.py --select-impl lazy` runs on a GPU: the
+    capacity-shaped plan over a pool's first n rows, with exclusions, picks the reference's."""
+    keys, queries, feats, exclude = _pool(400, 12, 16, 40, seed=7)
+    monkeypatch.setenv("CMACC_KERNELS", "reference")
+    want = kernels.select(keys[:300], queries, feats, 16, seed=5, exclude=exclude[:300])
+    monkeypatch.setenv("CMACC_KERNELS", "triton")
+    got = kernels.select(keys, queries, feats, 16, seed=5, exclude=exclude, n=300,
+                         variant="lazy")
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_first_pick_follows_the_counter_rng_for_many_seeds():
     """Step 0 is argmin_n E(seed, 0, n) over the eligible candidates."""
     alpha, beta = _factors(200, 4, 4)
