@@ -90,16 +90,19 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     n_t, seed_t = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     picks = torch.zeros(k, dtype=torch.int64)
     cfg = km.seeding_config(n, a, b, variant, sms=sms)
-    ps = torch.zeros(2 * cfg["grid"])
-    pi = torch.zeros(2 * cfg["grid"], dtype=torch.int32)
+    ps = torch.zeros(cfg["partials"])
+    pi = torch.zeros(cfg["partials"], dtype=torch.int32)
     bar = torch.zeros(1, dtype=torch.int32)
+    seen, thr = torch.zeros(n + 1, dtype=torch.int32), torch.zeros(1)
     kernels = [ge._grad_embed_kernel, ge._grad_embed_tiled_kernel, km._kmeanspp_step_kernel,
-               km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel]
+               km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel,
+               km._reduce_partials_kernel, km._lazy_bound_kernel, km._lazy_top_kernel,
+               km._lazy_draw_kernel]
     with _recording(kernels) as calls:
         ge.embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, tau=1.0, view=view,
                       gram=gram, precision=precision)
         km.launch_seeding(alpha, beta, beta if beta_c is None else beta_c, sqn, dmin, excl, n_t,
-                          picks, seed_t, ps, pi, bar, k, cfg, variant)
+                          picks, seed_t, ps, pi, bar, k, cfg, variant, seen, thr)
         # cmacc.samplers.grad_norms on the k picks: the per-call, uncompressed embedding
         ge.grad_embed_triton_with_norms(keys[:k], queries, torch.zeros(m, dh), view=view,
                                         precision=precision)

@@ -117,15 +117,36 @@ def uniform_hash_triton(seed: int, step: int, n: int, device=None) -> torch.Tens
 # One block of one step (shared by both variants)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _best_of_partials(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
-    # phase 2 of a draw: the largest block score, and the smallest index reaching it (each
-    # block already broke its own ties to the left, so this is torch.argmax's first index)
+def _best_pair(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
+    # the largest of P partial scores, and the smallest index reaching it (each block already
+    # broke its own ties to the left, so this is torch.argmax's first index): (score, index)
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < P
     score = tl.load(part_score_ptr + offs_p, mask=mask_p, other=float("-inf"))
     idx = tl.load(part_idx_ptr + offs_p, mask=mask_p, other=0)
     best = tl.max(score, axis=0)
-    return tl.min(tl.where(mask_p & (score == best), idx, 2147483647), axis=0)
+    return best, tl.min(tl.where(mask_p & (score == best), idx, 2147483647), axis=0)
+
+
+@triton.jit
+def _best_of_partials(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
+    # phase 2 of a draw: the index drawn from P partials
+    _, idx = _best_pair(part_score_ptr, part_idx_ptr, P, BLOCK_P)
+    return idx
+
+
+@triton.jit(do_not_specialize=["t"])
+def _reduce_partials_kernel(part_score_ptr, part_idx_ptr, P, R0, t, GROUP: tl.constexpr):
+    # the second level of a large pool's reduction: program g reduces step t's level-1
+    # partials [g GROUP, (g + 1) GROUP) to one level-2 partial at R0 + (t % 2) P2 + g; the next
+    # launch then reads P2 = cdiv(P, GROUP) partials instead of P (at N = 1.2 M and 128 rows a
+    # block, 10 instead of 9,600: a one-level [16384] tile took 255 registers and spilled)
+    g = tl.program_id(0)
+    src = (t % 2) * P + g * GROUP
+    best, idx = _best_pair(part_score_ptr + src, part_idx_ptr + src, P - g * GROUP, GROUP)
+    dst = R0 + (t % 2) * tl.num_programs(0) + g
+    tl.store(part_score_ptr + dst, best)
+    tl.store(part_idx_ptr + dst, idx)
 
 
 @triton.jit
@@ -198,7 +219,7 @@ def _step_block(
 def _kmeanspp_step_kernel(
     a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, n_ptr, picks_ptr, seed_ptr,
     part_score_ptr, part_idx_ptr,
-    A, B, P, t,
+    A, B, P, R0, RP, t,
     stride_an, stride_bn, stride_bcn,
     FIRST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -211,8 +232,8 @@ def _kmeanspp_step_kernel(
     seed = tl.load(seed_ptr).to(tl.uint32)  # folded to 32 bits on the host (reference.seed32)
     c = 0
     if not FIRST:
-        prev = ((t - 1) % 2) * P
-        c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, P, BLOCK_P)
+        prev = R0 + ((t - 1) % 2) * RP  # the RP partials step t-1 reduced to (one or two levels)
+        c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, RP, BLOCK_P)
         tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
     score = _step_block(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, seed, n_valid,
                         tl.cast(c, tl.int64), t, offs_n, A, B, stride_an, stride_bn, stride_bcn,
@@ -225,10 +246,11 @@ def _kmeanspp_step_kernel(
 
 
 @triton.jit(do_not_specialize=["t"])
-def _kmeanspp_pick_kernel(part_score_ptr, part_idx_ptr, picks_ptr, P, t, BLOCK_P: tl.constexpr):
-    # the last draw: picks[t] = argmax over step t's partials (one program)
-    cur = (t % 2) * P
-    c = _best_of_partials(part_score_ptr + cur, part_idx_ptr + cur, P, BLOCK_P)
+def _kmeanspp_pick_kernel(part_score_ptr, part_idx_ptr, picks_ptr, R0, RP, t,
+                          BLOCK_P: tl.constexpr):
+    # the last draw: picks[t] = argmax over step t's RP (reduced) partials (one program)
+    cur = R0 + (t % 2) * RP
+    c = _best_of_partials(part_score_ptr + cur, part_idx_ptr + cur, RP, BLOCK_P)
     tl.store(picks_ptr + t, c.to(tl.int64))
 
 
@@ -348,8 +370,8 @@ def _race_bound(dmin, seed, t, offs_n):
 
 
 @triton.jit(do_not_specialize=["t"])
-def _lazy_bound_kernel(dmin_ptr, n_ptr, picks_ptr, seed_ptr, part_score_ptr, part_idx_ptr, P, t,
-                       BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
+def _lazy_bound_kernel(dmin_ptr, n_ptr, picks_ptr, seed_ptr, part_score_ptr, part_idx_ptr,
+                       P, R0, RP, t, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
     # lazy step t >= 2, launch 1 of 3 (grid): c = the draw of step t-1 (its partials), picks[t-1]
     # = c, D_c <- -1; then this block's largest bound D_stale / (1 - U) and its first index ->
     # partials[t % 2]
@@ -357,8 +379,8 @@ def _lazy_bound_kernel(dmin_ptr, n_ptr, picks_ptr, seed_ptr, part_score_ptr, par
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < tl.load(n_ptr)
     seed = tl.load(seed_ptr).to(tl.uint32)
-    prev = ((t - 1) % 2) * P
-    c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, P, BLOCK_P)
+    prev = R0 + ((t - 1) % 2) * RP
+    c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, RP, BLOCK_P)
     tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
     dmin = tl.load(dmin_ptr + offs_n, mask=mask_n, other=-1.0)
     dmin = tl.where(offs_n == c, -1.0, dmin)
@@ -373,15 +395,15 @@ def _lazy_bound_kernel(dmin_ptr, n_ptr, picks_ptr, seed_ptr, part_score_ptr, par
 @triton.jit(do_not_specialize=["t"])
 def _lazy_top_kernel(
     a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, seed_ptr,
-    part_score_ptr, part_idx_ptr, thr_ptr, P, t, cap,
+    part_score_ptr, part_idx_ptr, thr_ptr, R0, RP, t, cap,
     A, B, stride_an, stride_bn, stride_bcn,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # launch 2 of 3 (one program): top = the largest bound (launch 1's partials); bring it up to
     # date; its true score s lower-bounds step t's draw: thr = s less a 2^-20 slack (a logarithm
     # rounded below 1 - U), and seen[cap] = top
-    cur = (t % 2) * P
-    top = _best_of_partials(part_score_ptr + cur, part_idx_ptr + cur, P, BLOCK_P)
+    cur = R0 + (t % 2) * RP
+    top = _best_of_partials(part_score_ptr + cur, part_idx_ptr + cur, RP, BLOCK_P)
     seed = tl.load(seed_ptr).to(tl.uint32)
     dmin = _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, top, t,
                         A, B, stride_an, stride_bn, stride_bcn, BLOCK_A, BLOCK_B, BLOCK_C)
@@ -429,11 +451,21 @@ def _lazy_draw_kernel(
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
+# Partials one program reduces: a grid of more blocks than this (N > 131,072 at 128 rows a block)
+# reduces its per-block maxima in two levels (``_reduce_partials_kernel``), so no program holds
+# more than a [GROUP] tile of them.
+GROUP = 1024
+
+
 def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
-                   block_n: int | None = None, device=None, sms: int | None = None) -> dict:
+                   block_n: int | None = None, device=None, sms: int | None = None,
+                   group: int = GROUP) -> dict:
     """Tile sizes, warps and grid of one seeding. Under the interpreter: few, large programs
     (it is slow per program). On GPU: [128, <=64]-wide fp32 chunks, the first one of each
-    factor prefetched before the centre is known (ptxas figures in bench/RESULTS.md)."""
+    factor prefetched before the centre is known (ptxas figures in bench/RESULTS.md).
+    ``group``: the most per-block partials one program reduces; a larger grid reduces them in
+    two levels (``P2`` level-2 partials; tests pass a small group to reach it). ``partials``:
+    the size of each partials buffer."""
     if variant not in VARIANTS:
         raise ValueError(f"kmeanspp: variant {variant!r} is not one of {VARIANTS}")
     chunk = 128 if INTERPRETED else 64
@@ -455,8 +487,28 @@ def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
         cfg["grid"] = min(sms, triton.cdiv(capacity, bn))
     else:
         cfg["grid"] = triton.cdiv(capacity, bn)
-    cfg["BLOCK_P"] = max(16, triton.next_power_of_2(cfg["grid"]))
+    p = cfg["grid"]
+    group = triton.next_power_of_2(group)
+    two = variant != "persistent" and p > group  # persistent: one partial per SM
+    cfg["P2"] = triton.cdiv(p, group) if two else None
+    cfg["GROUP"] = group if two else None
+    cfg["BLOCK_P"] = max(16, triton.next_power_of_2(cfg["P2"] or p))
+    cfg["partials"] = 2 * (p + (cfg["P2"] or 0))
     return cfg
+
+
+def _reduced(cfg) -> tuple[int, int]:
+    """(R0, RP): where a step's reduced partials start in the partials buffers (per ping-pong
+    slot RP of them): the level-1 ones, or the level-2 ones after the grid's 2 P."""
+    p = cfg["grid"]
+    return (2 * p, cfg["P2"]) if cfg["P2"] else (0, p)
+
+
+def _reduce(part_score, part_idx, t, cfg):
+    """The second level of step t's reduction, if the grid needs one (one launch)."""
+    if cfg["P2"]:
+        _reduce_partials_kernel[(cfg["P2"],)](part_score, part_idx, cfg["grid"], 2 * cfg["grid"],
+                                              t, GROUP=cfg["GROUP"], **NO_FMA)
 
 
 def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar,
@@ -464,17 +516,13 @@ def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, pa
     """The launches of one seeding over capacity-shaped buffers (a fixed sequence for a given
     configuration: graph-capturable). a [cap, A], b / bc [cap, B] (any float dtype, row-major
     rows), sqn / dmin [cap] fp32, excl [cap] uint8/bool, n_t [1] int32 (valid rows),
-    picks [k] int64, seed_t [1] int64, part_score / part_idx [2 * grid], bar [1] int32 (zeroed
-    here; persistent variant only). Lazy variant only: seen int32 [cap + 1] (the centres
-    applied to each D; the last entry: the step's top candidate), thr [1] fp32."""
+    picks [k] int64, seed_t [1] int64, part_score / part_idx [cfg["partials"]], bar [1] int32
+    (zeroed here; persistent variant only). Lazy variant only: seen int32 [cap + 1] (the
+    centres applied to each D; the last entry: the step's top candidate), thr [1] fp32."""
     p = cfg["grid"]
     tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"],
                  BLOCK_P=cfg["BLOCK_P"])
     strides = (a.stride(0), b.stride(0), bc.stride(0))
-    if variant == "lazy":
-        _launch_lazy(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, seen,
-                     thr, k, cfg)
-        return
     if variant == "persistent":
         bar.zero_()
         _kmeanspp_persistent_kernel[(p,)](
@@ -482,43 +530,43 @@ def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, pa
             a.shape[1], b.shape[1], k, *strides,
             num_warps=cfg["num_warps"], launch_cooperative_grid=True, **NO_FMA, **tiles)
         return
-    for t in range(k):
+    r0, rp = _reduced(cfg)
+    for t in range(min(k, 2) if variant == "lazy" else k):
         _kmeanspp_step_kernel[(p,)](
             a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx,
-            a.shape[1], b.shape[1], p, t, *strides,
+            a.shape[1], b.shape[1], p, r0, rp, t, *strides,
             FIRST=(t == 0), num_warps=cfg["num_warps"], **NO_FMA, **tiles)
-    _kmeanspp_pick_kernel[(1,)](part_score, part_idx, picks, p, k - 1,
+        _reduce(part_score, part_idx, t, cfg)
+    if variant == "lazy":
+        _launch_lazy(a, b, bc, sqn, dmin, n_t, picks, seed_t, part_score, part_idx, seen, thr,
+                     k, cfg)
+    _kmeanspp_pick_kernel[(1,)](part_score, part_idx, picks, r0, rp, k - 1,
                                 BLOCK_P=tiles["BLOCK_P"], **NO_FMA)
 
 
-def _launch_lazy(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, seen, thr,
-                 k, cfg):
-    """Steps 0 and 1 as the eager kernel (a uniform draw, then the one full pass: every D is
-    +inf before the first centre), then three launches per step (bound, top, draw), then the
-    last pick: 3k - 3 launches, each step's reads the [cap] D vector plus the few candidates
-    brought up to date."""
+def _launch_lazy(a, b, bc, sqn, dmin, n_t, picks, seed_t, part_score, part_idx, seen, thr, k,
+                 cfg):
+    """Steps 2 .. k-1 of the lazy variant (steps 0 and 1 are the eager kernel's: a uniform draw,
+    then the one full pass, every D being +inf before the first centre): three launches a step
+    (bound, top, draw; plus the second level of each grid-wide reduction on large grids), each
+    reading the [cap] D vector and the factors of the few candidates brought up to date."""
     p, cap = cfg["grid"], dmin.shape[0]
-    tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"])
+    r0, rp = _reduced(cfg)
     sizes = (a.shape[1], b.shape[1], a.stride(0), b.stride(0), bc.stride(0))
-    for t in range(min(k, 2)):
-        _kmeanspp_step_kernel[(p,)](
-            a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx,
-            a.shape[1], b.shape[1], p, t, *sizes[2:], FIRST=(t == 0),
-            num_warps=cfg["num_warps"], BLOCK_P=cfg["BLOCK_P"], **NO_FMA, **tiles)
+    blocks = dict(BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"], BLOCK_C=cfg["BLOCK_C"])
     seen.fill_(1)  # after step 1 every D has seen centre 0
     for t in range(2, k):
-        _lazy_bound_kernel[(p,)](dmin, n_t, picks, seed_t, part_score, part_idx, p, t,
+        _lazy_bound_kernel[(p,)](dmin, n_t, picks, seed_t, part_score, part_idx, p, r0, rp, t,
                                  BLOCK_N=cfg["BLOCK_N"], BLOCK_P=cfg["BLOCK_P"],
                                  num_warps=cfg["num_warps"], **NO_FMA)
+        _reduce(part_score, part_idx, t, cfg)
         _lazy_top_kernel[(1,)](a, b, bc, sqn, dmin, seen, picks, seed_t, part_score, part_idx,
-                               thr, p, t, cap, *sizes, BLOCK_A=cfg["BLOCK_A"],
-                               BLOCK_B=cfg["BLOCK_B"], BLOCK_C=cfg["BLOCK_C"],
-                               BLOCK_P=cfg["BLOCK_P"], num_warps=4, **NO_FMA)
+                               thr, r0, rp, t, cap, *sizes, BLOCK_P=cfg["BLOCK_P"], num_warps=4,
+                               **NO_FMA, **blocks)
         _lazy_draw_kernel[(p,)](a, b, bc, sqn, dmin, seen, n_t, picks, seed_t, part_score,
-                                part_idx, thr, p, t, cap, *sizes, BLOCK_C=cfg["BLOCK_C"],
-                                num_warps=4, **NO_FMA, **tiles)
-    _kmeanspp_pick_kernel[(1,)](part_score, part_idx, picks, p, k - 1,
-                                BLOCK_P=cfg["BLOCK_P"], **NO_FMA)
+                                part_idx, thr, p, t, cap, *sizes, BLOCK_N=cfg["BLOCK_N"],
+                                num_warps=4, **NO_FMA, **blocks)
+        _reduce(part_score, part_idx, t, cfg)
 
 
 def kmeanspp_triton(
@@ -534,12 +582,14 @@ def kmeanspp_triton(
     block_n: int | None = None,
     variant: str = "steps",
     stats: dict | None = None,
+    group: int = GROUP,
 ) -> torch.Tensor:
     """Drop-in for ``reference.kmeanspp``: long [k] distinct indices, the reference's draws for
     the same seed; non-finite |g_n|^2 candidates are never drawn, as in the reference. Factors of
     any float dtype (computed on in fp32). Eager launches into buffers allocated per call: the
     selection hot path uses kernels/triton_select.py (capacity-shaped buffers, one CUDA graph).
-    ``block_n``: rows per program (tests use it to make the cross-block reduction decide picks).
+    ``block_n``: rows per program (tests use it to make the cross-block reduction decide picks),
+    ``group``: partials per program of the reduction (a small one reaches its two levels).
     ``validate=True`` syncs once to count the eligible candidates, as the reference does.
     ``stats`` (lazy variant), if given, receives ``refreshed``: the candidates brought up to
     date after the first full pass (a host sync)."""
@@ -561,15 +611,14 @@ def kmeanspp_triton(
     if validate:  # one host sync, as the reference: excluded and non-finite are not eligible
         reference._check_kmeanspp_args(n, k, excl != 0, dev, True,
                                        nonfinite=~torch.isfinite(sqn))
-    cfg = seeding_config(n, a.shape[1], b.shape[1], variant, block_n, dev)
-    p = cfg["grid"]
+    cfg = seeding_config(n, a.shape[1], b.shape[1], variant, block_n, dev, group=group)
     # fill kernels, not host-to-device copies (a blocking copy would synchronise the stream)
     n_t = torch.full((1,), n, dtype=torch.int32, device=dev)
     seed_t = torch.full((1,), reference.seed32(seed), dtype=torch.int64, device=dev)
     picks = torch.empty(k, dtype=torch.int64, device=dev)  # [k]
     dmin = torch.empty(n, device=dev, dtype=torch.float32)  # [N]
-    part_score = torch.empty(2 * p, device=dev, dtype=torch.float32)  # [2, P] ping-pong
-    part_idx = torch.empty(2 * p, device=dev, dtype=torch.int32)
+    part_score = torch.empty(cfg["partials"], device=dev, dtype=torch.float32)  # ping-pong
+    part_idx = torch.empty(cfg["partials"], device=dev, dtype=torch.int32)
     bar = torch.zeros(1, device=dev, dtype=torch.int32)
     seen = torch.empty(n + 1, device=dev, dtype=torch.int32) if variant == "lazy" else None
     thr = torch.empty(1, device=dev, dtype=torch.float32) if variant == "lazy" else None

@@ -115,6 +115,21 @@ def test_lazy_selection_plan_reads_the_pool_buffer_and_picks_as_the_reference(mo
     assert torch.equal(got.cpu(), want.cpu())
 
 
+@pytest.mark.parametrize("variant", ["steps", "lazy"])
+def test_two_level_reduction_of_a_large_grid_gives_the_reference_picks(variant):
+    """A grid of more blocks than one program reduces (N >= 1.2 M on a GPU) reduces its
+    per-block maxima in two levels: here 10 blocks of 16 rows, 4 partials a program (3 level-2
+    partials, the last one ragged), with exclusions -- the reference's picks."""
+    alpha, beta = _factors(160, 5, 9, seed=4)
+    exclude = (torch.rand(160, generator=torch.Generator().manual_seed(2)) < 0.3).to(DEV)
+    from kernels.triton_kmeanspp import seeding_config
+    cfg = seeding_config(160, 5, 9, variant, block_n=16, group=4)
+    assert (cfg["grid"], cfg["P2"], cfg["GROUP"]) == (10, 3, 4)
+    got = kmeanspp_triton(alpha, beta, 10, seed=7, exclude=exclude, block_n=16, group=4,
+                          variant=variant)
+    assert torch.equal(got.cpu(), ref.kmeanspp(alpha, beta, 10, seed=7, exclude=exclude).cpu())
+
+
 def test_first_pick_follows_the_counter_rng_for_many_seeds():
     """Step 0 is argmin_n E(seed, 0, n) over the eligible candidates."""
     alpha, beta = _factors(200, 4, 4)
