@@ -80,11 +80,13 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     gram = head and dh > m and m <= ge.GRAM_MAX_M
     a = d if head else m
     b = (m if gram else dh) if head else d
-    keys = torch.zeros(n, d)
+    # the [N, .] buffers are never written (launches are recorded, not run): torch.empty's
+    # untouched pages cost no memory, so N = 1.2 M compiles on a small machine too
+    keys = torch.empty(n, d)
     queries = torch.zeros(m, d)
     f = torch.zeros(m, m) if gram else torch.zeros(m, dh)
-    alpha, beta = torch.zeros(n, a, dtype=fdt), torch.zeros(n, b, dtype=fdt)
-    beta_c = torch.zeros(n, b, dtype=fdt) if gram else None
+    alpha, beta = torch.empty(n, a, dtype=fdt), torch.empty(n, b, dtype=fdt)
+    beta_c = torch.empty(n, b, dtype=fdt) if gram else None
     sqn, dmin = torch.zeros(n), torch.zeros(n)
     excl = torch.zeros(n, dtype=torch.uint8)
     n_t, seed_t = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
@@ -163,7 +165,7 @@ def _describe(fn, kwargs, constexprs, args) -> str:
 
 def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
                       views=("head", "queries"), precisions=("ieee", "tf32x3", "tf32"),
-                      factors=("fp32", "bf16"), variants=("steps", "persistent"),
+                      factors=("fp32", "bf16"), variants=("steps", "persistent", "lazy"),
                       ptxas_info=False) -> list[dict]:
     """Compile every distinct kernel variant the trainer launches for these settings (k = M:
     the selection, its k-means++ variant and the grad_norms embedding); returns [{name, shared,

@@ -459,7 +459,7 @@ GROUP = 1024
 
 def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
                    block_n: int | None = None, device=None, sms: int | None = None,
-                   group: int = GROUP) -> dict:
+                   group: int | None = None) -> dict:
     """Tile sizes, warps and grid of one seeding. Under the interpreter: few, large programs
     (it is slow per program). On GPU: [128, <=64]-wide fp32 chunks, the first one of each
     factor prefetched before the centre is known (ptxas figures in bench/RESULTS.md).
@@ -488,7 +488,7 @@ def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
     else:
         cfg["grid"] = triton.cdiv(capacity, bn)
     p = cfg["grid"]
-    group = triton.next_power_of_2(group)
+    group = triton.next_power_of_2(group or GROUP)
     two = variant != "persistent" and p > group  # persistent: one partial per SM
     cfg["P2"] = triton.cdiv(p, group) if two else None
     cfg["GROUP"] = group if two else None
@@ -582,7 +582,7 @@ def kmeanspp_triton(
     block_n: int | None = None,
     variant: str = "steps",
     stats: dict | None = None,
-    group: int = GROUP,
+    group: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``reference.kmeanspp``: long [k] distinct indices, the reference's draws for
     the same seed; non-finite |g_n|^2 candidates are never drawn, as in the reference. Factors of
