@@ -476,8 +476,9 @@ def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
     bn = block_n or bn
     cfg = dict(BLOCK_N=bn, BLOCK_A=max(16, min(chunk, triton.next_power_of_2(a))),
                BLOCK_B=max(16, min(chunk, triton.next_power_of_2(b))), num_warps=warps)
-    if variant == "lazy":  # centres per chunk when a row is brought up to date
-        cfg["BLOCK_C"] = 16
+    if variant == "lazy":  # centres per chunk when a row is brought up to date: on a GPU a
+        # stale row's refresh is a chain of dependent loads per chunk, so few, wide chunks
+        cfg["BLOCK_C"] = 16 if INTERPRETED else 64
     if variant == "persistent":
         if INTERPRETED:
             raise ValueError("kmeanspp: the persistent variant needs a GPU (its grid barrier "
