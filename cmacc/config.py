@@ -137,7 +137,7 @@ class SelectionConfig:
     precision: str = "ieee"
     factors: str = "fp32"
     kmeans: str = "steps"  # not measured on a GPU yet: the default stays the per-step variant
-    impl: str = "eager"  # "lazy": the lazy race (docs/DESIGN.md §1 step 5) on a GPU too; same picks
+    impl: str = "eager"  # "lazy": the lazy race (DESIGN.md §1 step 5) on a GPU too; same picks
     overlap: bool = True  # CUDA: select on a side stream while the key encoders run
 
     # added after checkpoints existed: they count in config_hash only away from their default,

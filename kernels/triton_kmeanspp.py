@@ -314,6 +314,21 @@ def _kmeanspp_persistent_kernel(
 # Variant "lazy": the lazy exponential race (kernels/lazy_kmeanspp.py) on the GPU
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _dot_centres(x_ptr, xc_ptr, stride_xn, stride_xcn, row64, cidx, mask_c, X,
+                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr):
+    # x[row] . xc[c] for BLOCK_C centres c, over column chunks of BLOCK_X -> [BLOCK_C] fp32
+    offs_x = tl.arange(0, BLOCK_X)
+    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for x0 in range(0, X, BLOCK_X):
+        mx = (x0 + offs_x) < X
+        x = tl.load(x_ptr + row64 * stride_xn + x0 + offs_x, mask=mx, other=0.0).to(tl.float32)
+        xc = tl.load(xc_ptr + cidx[:, None] * stride_xcn + (x0 + offs_x)[None, :],
+                     mask=mask_c[:, None] & mx[None, :], other=0.0).to(tl.float32)
+        dot += tl.sum(xc * x[None, :], axis=1)
+    return dot
+
+
+@triton.jit
 def _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, row, t,
                  A, B, stride_an, stride_bn, stride_bcn,
                  BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -326,26 +341,14 @@ def _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, r
     dmin = tl.load(dmin_ptr + row)
     sqn = tl.load(sqn_ptr + row)  # |g_row|^2
     first = tl.where(dmin > 0, tl.load(seen_ptr + row), t)
-    offs_a = tl.arange(0, BLOCK_A)
-    offs_b = tl.arange(0, BLOCK_B)
     for j0 in range(first, t, BLOCK_C):
         offs_c = j0 + tl.arange(0, BLOCK_C)
         mask_c = offs_c < t
         cidx = tl.load(picks_ptr + offs_c, mask=mask_c, other=0)  # [BLOCK_C] int64 centres
-        dot_a = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for a0 in range(0, A, BLOCK_A):  # a_row . a_c
-            ma = (a0 + offs_a) < A
-            x = tl.load(a_ptr + row64 * stride_an + a0 + offs_a, mask=ma, other=0.0).to(tl.float32)
-            xc = tl.load(a_ptr + cidx[:, None] * stride_an + (a0 + offs_a)[None, :],
-                         mask=mask_c[:, None] & ma[None, :], other=0.0).to(tl.float32)
-            dot_a += tl.sum(xc * x[None, :], axis=1)
-        dot_b = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for b0 in range(0, B, BLOCK_B):  # b_row . bc_c
-            mb = (b0 + offs_b) < B
-            y = tl.load(b_ptr + row64 * stride_bn + b0 + offs_b, mask=mb, other=0.0).to(tl.float32)
-            yc = tl.load(bc_ptr + cidx[:, None] * stride_bcn + (b0 + offs_b)[None, :],
-                         mask=mask_c[:, None] & mb[None, :], other=0.0).to(tl.float32)
-            dot_b += tl.sum(yc * y[None, :], axis=1)
+        dot_a = _dot_centres(a_ptr, a_ptr, stride_an, stride_an, row64, cidx, mask_c, A,
+                             BLOCK_A, BLOCK_C)  # a_row . a_c
+        dot_b = _dot_centres(b_ptr, bc_ptr, stride_bn, stride_bcn, row64, cidx, mask_c, B,
+                             BLOCK_B, BLOCK_C)  # b_row . bc_c
         sqc = tl.load(sqn_ptr + cidx, mask=mask_c, other=0.0)  # |g_c|^2
         d = tl.maximum(sqn + sqc - 2.0 * (dot_a * dot_b), 0.0)
         dmin = tl.minimum(dmin, tl.min(tl.where(mask_c, d, float("inf")), axis=0))

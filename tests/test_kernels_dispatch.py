@@ -167,5 +167,5 @@ def test_select_impl_flag_chooses_the_lazy_race_with_eager_the_default():
     with pytest.raises(ValueError, match="no persistent variant; drop --kmeans persistent"):
         sel("--select-impl", "lazy", "--kmeans", "persistent")
     lazy = train.config_from_args(train.build_parser().parse_args(["--select-impl", "lazy"]))
-    assert (config_hash(lazy.model, lazy.selection)
-            == config_hash(lazy.model, SelectionConfig(**{**vars(lazy.selection), "impl": "eager"})))
+    eager = SelectionConfig(**{**vars(lazy.selection), "impl": "eager"})
+    assert config_hash(lazy.model, lazy.selection) == config_hash(lazy.model, eager)
