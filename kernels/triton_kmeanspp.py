@@ -458,6 +458,7 @@ def _lazy_draw_kernel(
 # reduces its per-block maxima in two levels (``_reduce_partials_kernel``), so no program holds
 # more than a [GROUP] tile of them.
 GROUP = 1024
+LAZY_WARPS = 4  # the lazy race's refresh launches (8 spilled more: 24-32 B against 8-20 B)
 
 
 def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
@@ -565,11 +566,11 @@ def _launch_lazy(a, b, bc, sqn, dmin, n_t, picks, seed_t, part_score, part_idx, 
                                  num_warps=cfg["num_warps"], **NO_FMA)
         _reduce(part_score, part_idx, t, cfg)
         _lazy_top_kernel[(1,)](a, b, bc, sqn, dmin, seen, picks, seed_t, part_score, part_idx,
-                               thr, r0, rp, t, cap, *sizes, BLOCK_P=cfg["BLOCK_P"], num_warps=4,
-                               **NO_FMA, **blocks)
+                               thr, r0, rp, t, cap, *sizes, BLOCK_P=cfg["BLOCK_P"],
+                               num_warps=LAZY_WARPS, **NO_FMA, **blocks)
         _lazy_draw_kernel[(p,)](a, b, bc, sqn, dmin, seen, n_t, picks, seed_t, part_score,
                                 part_idx, thr, p, t, cap, *sizes, BLOCK_N=cfg["BLOCK_N"],
-                                num_warps=4, **NO_FMA, **blocks)
+                                num_warps=LAZY_WARPS, **NO_FMA, **blocks)
         _reduce(part_score, part_idx, t, cfg)
 
 
