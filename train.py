@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS, OBJECTIVES,
-                          POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_PRECISIONS)
+                          POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_IMPLS,
+                          SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
 from data_dali.augment import AUGMENTS
 from cmacc.trainer import NonFiniteLoss, Trainer
@@ -88,6 +89,7 @@ FLAGS = {
         ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding")),
         ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (bf16 halves k-means++ bytes)")),
         ("--kmeans", "selection.kmeans", dict(choices=KMEANS_VARIANTS, help="GPU k-means++: a launch per step (default) or one persistent launch")),
+        ("--select-impl", "selection.impl", dict(choices=SELECT_IMPLS, help="GPU k-means++: eager (default: every distance each step) or lazy (the exponential race touches ~1-10 candidates a step; same picks; docs/GPU.md)")),
         ("--no-select-overlap", "selection.overlap", dict(action="store_const", const=False, help="GPU: run the selection in line instead of on a side stream")),
         ("--fcl", "model.fcl", dict(action="store_const", const=True, help="cross-modal FC layer (default on)")),
         ("--no-fcl", "model.fcl", dict(action="store_const", const=False, help="ablation 'w/o fcl'")),

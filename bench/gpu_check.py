@@ -8,9 +8,11 @@ Parts (``--part`` runs only those named; each part runs in a process of its own)
    test_kmeanspp.py, test_select_plan.py, test_reference.py with TRITON_INTERPRET unset;
 2. ``sweep``: one dictionary's selection (kernels/triton_select.py, a bound capacity-shaped plan
    replayed from its CUDA graph) for N in --sizes, M = k = 128, d = 128, d_h = 512, both
-   gradient views, every dot precision x factor dtype x k-means++ variant; the median of
+   gradient views, every dot precision x factor dtype x k-means++ variant (steps, persistent,
+   and the lazy race: ``train.py --select-impl lazy``); the median of
    ``triton.testing.do_bench``; plus, at the largest N <= 38,400, the index agreement of each
-   setting with the fp32 / ieee / per-step selection (same seed);
+   setting with the fp32 / ieee / per-step selection (same seed); then M = 512 and 4,096 at
+   N = 300 M (head view, ieee, fp32 factors), eager against lazy, with their agreement;
 3. ``dali``: the DALI GPU decode throughput (bench/bench_pipeline.py's measurement, synthetic
    clips);
 4. ``train``: a short ``train.py`` run with AMP (bf16) + channels-last on the GPU: clips/s, step
@@ -51,6 +53,7 @@ from data_dali.cli import first_line  # noqa: E402
 from data_dali.fileio import atomic_write_text  # noqa: E402
 
 SIZES = (9600, 19200, 38400, 76800, 153600)
+BATCHES = (512, 4096)  # global batches M timed at their pool N = 300 M (M = 128 at every size)
 KERNEL_TESTS = ("tests/test_grad_embed.py", "tests/test_kmeanspp.py",
                 "tests/test_select_plan.py", "tests/test_reference.py")
 
@@ -74,48 +77,69 @@ def kernel_tests(args) -> str:
     return "passed: " + (lines or ["(no output)"])[-1]
 
 
-def selection_sweep(sizes, quick: bool) -> list[dict]:
+def _pool(n, m, d, dh, g):
     import torch.nn.functional as F
+
+    keys = F.normalize(torch.randn(n, d, generator=g), dim=1).cuda()  # the pool buffer [N, d]
+    queries = F.normalize(torch.randn(m, d, generator=g), dim=1).cuda()  # [M, d]
+    return keys, queries, torch.randn(m, dh, generator=g).cuda()  # feats [M, d_h]
+
+
+def _time_settings(n, m, pool, view, settings, agree: bool) -> list[dict]:
+    """One row per (precision, factors, k-means++) setting: the median ms of a bound plan's
+    replay, and (``agree``) its picks against the first setting's (same seed)."""
     from triton.testing import do_bench
 
     from kernels import triton_select as ts
 
-    m = k = 128
-    d, dh = 128, 512
+    keys, queries, feats = pool
+    d, dh, k = keys.shape[1], feats.shape[1], m
+    rows, base = [], None
+    for prec, fac, var in settings:
+        row = dict(M=m, N=n, view=view, precision=prec, factors=fac, kmeans=var)
+        try:
+            plan = ts.SelectPlan(n, m, d, dh, k, view=view, tau=1.0, precision=prec,
+                                 factors=fac, variant=var, device="cuda", keys_buffer=keys)
+            run = lambda: plan.run(keys, n, queries, feats, None, 7)  # noqa: E731
+            picks = run()
+            row["ms"] = do_bench(run, return_mode="median")
+            row["captures"] = plan.captures
+            if agree:
+                base = picks if base is None else base
+                row["same_picks_vs_first"] = float((picks == base).float().mean())
+                row["same_set_vs_first"] = len(set(picks.tolist()) & set(base.tolist())) / k
+            del plan
+        except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
+            row["error"] = first_line(e)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def selection_sweep(sizes, quick: bool, batches=BATCHES) -> list[dict]:
+    """M = 128 at every N in ``sizes`` (every setting; eager and lazy k-means++), then each M in
+    ``batches`` at its paper pool N = 300 M (the default setting, eager and lazy)."""
+    m, d, dh = 128, 128, 512
     settings = [(p, f, v) for p in ("ieee", "tf32x3", "tf32") for f in ("fp32", "bf16")
-                for v in ("steps", "persistent")]
+                for v in ("steps", "persistent", "lazy")]
     if quick:
-        settings = [("ieee", "fp32", "steps"), ("tf32x3", "bf16", "persistent")]
+        settings = [("ieee", "fp32", "steps"), ("ieee", "fp32", "lazy"),
+                    ("tf32x3", "bf16", "persistent")]
     g = torch.Generator().manual_seed(0)
     rows = []
     agree_n = max([n for n in sizes if n <= 38400] or [min(sizes)])
     for n in sizes:
-        keys = F.normalize(torch.randn(n, d, generator=g), dim=1).cuda()  # the pool buffer
-        queries = F.normalize(torch.randn(m, d, generator=g), dim=1).cuda()
-        feats = torch.randn(m, dh, generator=g).cuda()
+        pool = _pool(n, m, d, dh, g)
         for view in ("head", "queries"):
-            base = None
-            for prec, fac, var in settings:
-                row = dict(N=n, view=view, precision=prec, factors=fac, kmeans=var)
-                try:
-                    plan = ts.SelectPlan(n, m, d, dh, k, view=view, tau=1.0, precision=prec,
-                                         factors=fac, variant=var, device="cuda",
-                                         keys_buffer=keys)
-                    run = lambda: plan.run(keys, n, queries, feats, None, 7)  # noqa: E731
-                    picks = run()
-                    row["ms"] = do_bench(run, return_mode="median")
-                    row["captures"] = plan.captures
-                    if n == agree_n:
-                        if base is None:
-                            base = picks
-                        row["same_picks_vs_first"] = float((picks == base).float().mean())
-                        row["same_set_vs_first"] = len(set(picks.tolist()) &
-                                                       set(base.tolist())) / k
-                    del plan
-                except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
-                    row["error"] = first_line(e)
-                rows.append(row)
-                print(row, flush=True)
+            rows += _time_settings(n, m, pool, view, settings, n == agree_n)
+        del pool
+        torch.cuda.empty_cache()
+    for m in batches:  # global batches above 256: the tiled embedding, two-level reductions
+        n = 300 * m
+        pool = _pool(n, m, d, dh, g)
+        rows += _time_settings(n, m, pool, "head", [("ieee", "fp32", "steps"),
+                                                    ("ieee", "fp32", "lazy")], True)
+        del pool
         torch.cuda.empty_cache()
     return rows
 
@@ -179,15 +203,17 @@ def header(info) -> str:
 
 
 def sweep_table(rows: list[dict]) -> str:
-    lines = ["Selection (one dictionary, M = k = 128, d = 128, d_h = 512; median of "
-             "`triton.testing.do_bench`, ms; bound plan replayed from one CUDA graph):", "",
-             "| N | view | precision | factors | k-means++ | ms | same picks / same set vs "
-             "first row |", "|---:|---|---|---|---|---:|---|"]
+    lines = ["Selection (one dictionary, k = M, d = 128, d_h = 512; median of "
+             "`triton.testing.do_bench`, ms; bound plan replayed from one CUDA graph; k-means++ "
+             "`lazy` = `--select-impl lazy`):", "",
+             "| M | N | view | precision | factors | k-means++ | ms | same picks / same set vs "
+             "first row of its M, N |", "|---:|---:|---|---|---|---|---:|---|"]
     for r in rows:
         agree = (f"{r['same_picks_vs_first']:.3f} / {r['same_set_vs_first']:.3f}"
                  if "same_picks_vs_first" in r else "")
         ms = f"{r['ms']:.3f}" if "ms" in r else f"failed: {r.get('error', '?')}"
-        lines.append(f"| {r['N']} | {r['view']} | {r['precision']} | {r['factors']} | "
+        lines.append(f"| {r.get('M', 128)} | {r['N']} | {r['view']} | {r['precision']} | "
+                     f"{r['factors']} | "
                      f"{r['kmeans']} | {ms} | {agree} |")
     return "\n".join(lines)
 
@@ -299,7 +325,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
-    p.add_argument("--quick", action="store_true", help="two settings per size instead of twelve")
+    p.add_argument("--quick", action="store_true",
+                   help="three settings per size instead of eighteen")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
     p.add_argument("--part", nargs="+", choices=tuple(PARTS), help="run only these parts")
     p.add_argument("--one", choices=tuple(PARTS), help=argparse.SUPPRESS)  # a part's process

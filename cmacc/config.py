@@ -31,6 +31,7 @@ POOL_MODES = ("rolling", "epoch")
 SELECT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input precision of the embedding kernel
 SELECT_FACTORS = ("fp32", "bf16")  # storage of the gradient-embedding factors
 KMEANS_VARIANTS = ("steps", "persistent")  # k-means++: a launch per step, or one persistent one
+SELECT_IMPLS = ("eager", "lazy")  # k-means++ on a GPU: every D each step, or the lazy race
 DICT_INITS = ("encode", "random")
 AMPS = ("none", "bf16", "fp16")
 LOADERS = ("auto", "dali", "reference")
@@ -140,21 +141,27 @@ class SelectionConfig:
     precision: str = "ieee"
     factors: str = "fp32"
     kmeans: str = "steps"  # not measured on a GPU yet: the default stays the per-step variant
+    impl: str = "eager"  # "lazy": the lazy race (DESIGN.md §1 step 5) on a GPU too; same picks
     overlap: bool = True  # CUDA: select on a side stream while the key encoders run
     pool_refresh: int = 0  # R: batches of M pool entries re-encoded per step by the current key
     # encoders, round robin, so no candidate's key is older than N / (R * M) steps (0: none, the
     # paper's Algorithm 1, whose pool keys are as old as the pool)
 
     # added after checkpoints existed: they count in config_hash only away from their default,
-    # and the two that cannot change a result (kmeans, overlap) never count
+    # and those that cannot change a result (kmeans, impl, overlap) never count
     _HASH_IF_SET = ("precision", "factors", "pool_refresh")
-    _HASH_NEVER = ("kmeans", "overlap")
+    _HASH_NEVER = ("kmeans", "impl", "overlap")
 
     def __post_init__(self):
         _choice("sampler", self.sampler, SAMPLERS)
         _choice("precision", self.precision, SELECT_PRECISIONS)
         _choice("factors", self.factors, SELECT_FACTORS)
         _choice("kmeans", self.kmeans, KMEANS_VARIANTS)
+        _choice("impl", self.impl, SELECT_IMPLS)
+        if self.impl == "lazy" and self.kmeans == "persistent":
+            raise ValueError("--select-impl lazy runs its own launches per step: it has no "
+                             "persistent variant; drop --kmeans persistent or use "
+                             "--select-impl eager")
         _choice("grad_view", self.grad_view, GRAD_VIEWS)
         _choice("pool_mode", self.pool_mode, POOL_MODES)
         _positive(self, "pool_size")
@@ -163,6 +170,11 @@ class SelectionConfig:
         if self.tau_p <= 0:
             raise ValueError(f"tau_p must be > 0, got {self.tau_p}")
         _at_most(self, pool_size=2 ** 26, tau_p=1e3, pool_refresh=2 ** 16)
+
+    @property
+    def kmeans_variant(self) -> str:
+        """kernels.select's ``variant``: the lazy race, or the eager variant asked for."""
+        return "lazy" if self.impl == "lazy" else self.kmeans
 
 
 @dataclass

@@ -239,7 +239,7 @@ class CMACC(nn.Module):
                       tau_p=self.sel.tau_p, view=self.sel.grad_view,
                       seed=selection_seed(self.cfg.seed, step, which),
                       engine=dict(precision=self.sel.precision, factors=self.sel.factors,
-                                  variant=self.sel.kmeans))
+                                  variant=self.sel.kmeans_variant))
 
     def _encode_batch_keys(self, video, audio):
         """k_v, k_a [B, d] of this rank's clips and their global [M, d] gathers."""

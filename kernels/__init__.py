@@ -179,9 +179,11 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
     (``exclude`` [cap] too). On the Triton path this reads the buffer in place from one CUDA graph
     per pool shape (kernels/triton_select.py); without ``n`` the keys are copied into a plan.
     ``precision`` (tl.dot: ieee | tf32x3 | tf32), ``factors`` (fp32 | bf16 storage of the
-    factors) and ``variant`` (steps | persistent k-means++) apply to the Triton path; the
-    reference computes in fp32 (bf16 factors: rounded as the kernel stores them); on CPU
-    tensors its k-means++ is the lazy race (``_seeding``)."""
+    factors) and ``variant`` (steps | persistent | lazy k-means++: a launch per step, one
+    persistent launch, or the lazy race of kernels/lazy_kmeanspp.py, all the same picks) apply
+    to the Triton path; the reference computes in fp32 (bf16 factors: rounded as the kernel
+    stores them); on CPU tensors its k-means++ is the lazy race for large pools whatever the
+    variant (``_seeding``)."""
     if backend_for(keys) == "triton":
         return _triton[2].select_triton(keys, queries, feats, k, seed=seed, n=n, tau=tau,
                                         view=view, exclude=exclude, validate=validate,

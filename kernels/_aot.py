@@ -80,26 +80,31 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     gram = head and dh > m and m <= ge.GRAM_MAX_M
     a = d if head else m
     b = (m if gram else dh) if head else d
-    keys = torch.zeros(n, d)
+    # the [N, .] buffers are never written (launches are recorded, not run): torch.empty's
+    # untouched pages cost no memory, so N = 1.2 M compiles on a small machine too
+    keys = torch.empty(n, d)
     queries = torch.zeros(m, d)
     f = torch.zeros(m, m) if gram else torch.zeros(m, dh)
-    alpha, beta = torch.zeros(n, a, dtype=fdt), torch.zeros(n, b, dtype=fdt)
-    beta_c = torch.zeros(n, b, dtype=fdt) if gram else None
+    alpha, beta = torch.empty(n, a, dtype=fdt), torch.empty(n, b, dtype=fdt)
+    beta_c = torch.empty(n, b, dtype=fdt) if gram else None
     sqn, dmin = torch.zeros(n), torch.zeros(n)
     excl = torch.zeros(n, dtype=torch.uint8)
     n_t, seed_t = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     picks = torch.zeros(k, dtype=torch.int64)
     cfg = km.seeding_config(n, a, b, variant, sms=sms)
-    ps = torch.zeros(2 * cfg["grid"])
-    pi = torch.zeros(2 * cfg["grid"], dtype=torch.int32)
+    ps = torch.zeros(cfg["partials"])
+    pi = torch.zeros(cfg["partials"], dtype=torch.int32)
     bar = torch.zeros(1, dtype=torch.int32)
+    seen, thr = torch.zeros(n + 1, dtype=torch.int32), torch.zeros(1)
     kernels = [ge._grad_embed_kernel, ge._grad_embed_tiled_kernel, km._kmeanspp_step_kernel,
-               km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel]
+               km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel,
+               km._reduce_partials_kernel, km._lazy_bound_kernel, km._lazy_top_kernel,
+               km._lazy_draw_kernel]
     with _recording(kernels) as calls:
         ge.embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, tau=1.0, view=view,
                       gram=gram, precision=precision)
         km.launch_seeding(alpha, beta, beta if beta_c is None else beta_c, sqn, dmin, excl, n_t,
-                          picks, seed_t, ps, pi, bar, k, cfg, variant)
+                          picks, seed_t, ps, pi, bar, k, cfg, variant, seen, thr)
         # cmacc.samplers.grad_norms on the k picks: the per-call, uncompressed embedding
         ge.grad_embed_triton_with_norms(keys[:k], queries, torch.zeros(m, dh), view=view,
                                         precision=precision)
@@ -160,7 +165,7 @@ def _describe(fn, kwargs, constexprs, args) -> str:
 
 def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
                       views=("head", "queries"), precisions=("ieee", "tf32x3", "tf32"),
-                      factors=("fp32", "bf16"), variants=("steps", "persistent"),
+                      factors=("fp32", "bf16"), variants=("steps", "persistent", "lazy"),
                       ptxas_info=False) -> list[dict]:
     """Compile every distinct kernel variant the trainer launches for these settings (k = M:
     the selection, its k-means++ variant and the grad_norms embedding); returns [{name, shared,

@@ -7,7 +7,8 @@ variant, device, keys buffer) and owns every buffer of the hot path:
     inputs   keys [cap, d] (the caller's pool buffer itself when bound: no copy), queries [M, d],
              feats [M, d_h], exclude [cap], n [1] (valid rows), seed [1]
     factors  alpha [cap, a], beta / beta_c [cap, b], sqn [cap]   (written by the embedding kernel)
-    seeding  D [cap], picks [k], partials [2, P], barrier [1]
+    seeding  D [cap], picks [k], partials [2, P (+ P2)], barrier [1]; the lazy race also seen
+             [cap + 1] and thr [1]
 
 A call writes the small inputs (queries, feats, exclude; fill kernels for n and seed), replays
 the graph and returns the picks: no allocation, no host synchronisation, no copy of the pool or
@@ -81,10 +82,13 @@ class SelectPlan:
         self.dmin = torch.zeros(capacity, **f32)  # [cap]
         self.picks = torch.zeros(k, device=dev, dtype=torch.int64)  # [k]
         self.cfg = km.seeding_config(capacity, a, b, variant, device=dev)
-        p = self.cfg["grid"]
-        self.part_score = torch.zeros(2 * p, **f32)  # [2, P]
-        self.part_idx = torch.zeros(2 * p, device=dev, dtype=torch.int32)
+        parts = self.cfg["partials"]  # [2, P] ping-pong (+ [2, P2] on two-level grids)
+        self.part_score = torch.zeros(parts, **f32)
+        self.part_idx = torch.zeros(parts, device=dev, dtype=torch.int32)
         self.bar = torch.zeros(1, device=dev, dtype=torch.int32)
+        lazy = variant == "lazy"
+        self.seen = torch.zeros(capacity + 1, device=dev, dtype=torch.int32) if lazy else None
+        self.thr = torch.zeros(1, **f32) if lazy else None
         self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
         self._launch()  # compile, autotune and warm up outside any capture
         if graph if graph is not None else (dev.type == "cuda"
@@ -101,7 +105,7 @@ class SelectPlan:
         bc = self.beta if self.beta_c is None else self.beta_c
         km.launch_seeding(self.alpha, self.beta, bc, self.sqn, self.dmin, self.exclude, self.n,
                           self.picks, self.seed, self.part_score, self.part_idx, self.bar,
-                          self.k, self.cfg, self.variant)
+                          self.k, self.cfg, self.variant, self.seen, self.thr)
 
     def _capture(self):
         torch.cuda.synchronize(self.device)  # once per plan, at capture time only

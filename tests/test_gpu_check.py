@@ -23,13 +23,38 @@ def test_without_a_gpu_it_names_the_fix(capsys, tmp_path):
 
 
 def test_sweep_table_lists_every_measured_and_failed_row():
-    rows = [dict(N=38400, view="head", precision="ieee", factors="fp32", kmeans="steps",
+    rows = [dict(M=128, N=38400, view="head", precision="ieee", factors="fp32", kmeans="steps",
                  ms=0.91, same_picks_vs_first=1.0, same_set_vs_first=1.0),
-            dict(N=38400, view="head", precision="tf32", factors="bf16", kmeans="persistent",
-                 error="out of memory")]
+            dict(M=128, N=38400, view="head", precision="tf32", factors="bf16",
+                 kmeans="persistent", error="out of memory"),
+            dict(M=4096, N=1228800, view="head", precision="ieee", factors="fp32", kmeans="lazy",
+                 ms=512.5, same_picks_vs_first=0.998, same_set_vs_first=1.0)]
     text = gpu_check.sweep_table(rows)
-    assert "| 38400 | head | ieee | fp32 | steps | 0.910 | 1.000 / 1.000 |" in text
-    assert "| 38400 | head | tf32 | bf16 | persistent | failed: out of memory |  |" in text
+    assert "| 128 | 38400 | head | ieee | fp32 | steps | 0.910 | 1.000 / 1.000 |" in text
+    assert "| 128 | 38400 | head | tf32 | bf16 | persistent | failed: out of memory |  |" in text
+    assert "| 4096 | 1228800 | head | ieee | fp32 | lazy | 512.500 | 0.998 / 1.000 |" in text
+
+
+def test_sweep_times_eager_and_lazy_selection_and_the_large_batches(monkeypatch):
+    """The sweep's plan, without a GPU: eager (steps, persistent) and lazy k-means++ at M = 128
+    for every N, both views, index agreement at one N; then M = 512 and 4,096 at N = 300 M,
+    eager and lazy with their agreement."""
+    calls = []
+    monkeypatch.setattr(gpu_check, "_pool", lambda n, m, d, dh, g: (n, m))
+    monkeypatch.setattr(gpu_check, "_time_settings", lambda n, m, pool, view, settings, agree:
+                        calls.append((m, n, view, tuple(settings), agree)) or [])
+    gpu_check.selection_sweep([19200, 38400, 76800], quick=False)
+    full = {(m, n, view): (settings, agree) for m, n, view, settings, agree in calls}
+    assert len(calls) == 3 * 2 + 2 and len(full) == len(calls)
+    for n in (19200, 38400, 76800):
+        for view in ("head", "queries"):
+            settings, agree = full[(128, n, view)]
+            assert agree == (n == 38400) and len(settings) == 18
+            assert settings[0] == ("ieee", "fp32", "steps")
+            assert {v for _, _, v in settings} == {"steps", "persistent", "lazy"}
+    for m in (512, 4096):
+        assert full[(m, 300 * m, "head")] == ((("ieee", "fp32", "steps"),
+                                               ("ieee", "fp32", "lazy")), True)
     head = gpu_check.header(dict(date="2026-11-23", device="NVIDIA H100 80GB HBM3",
                                  commit="abc123"))
     assert "## GPU check, 2026-11-23: NVIDIA H100 80GB HBM3" in head and "abc123" in head

@@ -148,3 +148,24 @@ def test_reference_choice_never_needs_triton(monkeypatch):
     assert kernels.backend_for(keys) == "reference"
     want = ref.kmeanspp(*ref.grad_embed(keys, queries, feats, compress=True), 5, seed=3)
     assert torch.equal(kernels.select(keys, queries, feats, 5, seed=3), want)
+
+
+def test_select_impl_flag_chooses_the_lazy_race_with_eager_the_default():
+    """`train.py --select-impl lazy` makes the selection ask kernels.select for the lazy
+    variant; the default stays eager (the --kmeans variant); lazy has no persistent form (a
+    one-line refusal); and, having the same picks, it never changes the checkpoint hash."""
+    sys.path.insert(0, str(ROOT))
+    import train
+    from cmacc.config import SelectionConfig, config_hash
+
+    def sel(*argv):
+        return train.config_from_args(train.build_parser().parse_args(list(argv))).selection
+
+    assert sel().impl == "eager" and sel().kmeans_variant == "steps"
+    assert sel("--kmeans", "persistent").kmeans_variant == "persistent"
+    assert sel("--select-impl", "lazy").kmeans_variant == "lazy"
+    with pytest.raises(ValueError, match="no persistent variant; drop --kmeans persistent"):
+        sel("--select-impl", "lazy", "--kmeans", "persistent")
+    lazy = train.config_from_args(train.build_parser().parse_args(["--select-impl", "lazy"]))
+    eager = SelectionConfig(**{**vars(lazy.selection), "impl": "eager"})
+    assert config_hash(lazy.model, lazy.selection) == config_hash(lazy.model, eager)

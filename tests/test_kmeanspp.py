@@ -67,6 +67,69 @@ def test_same_indices_as_reference(n, a, b, k, block_n, with_exclude):
             assert not exclude[got].any()
 
 
+@pytest.mark.parametrize("view", ["head", "queries"])
+def test_lazy_variant_same_picks_as_the_eager_reference(view):
+    """The GPU lazy race (variant='lazy') draws the eager reference's picks for both gradient
+    views (head: the Gram route's centre-side beta_c), with and without exclusions, over several
+    row blocks and RNG seeds -- and brings only some candidates up to date after the full pass."""
+    keys, queries, feats, exclude = _pool(600, 16, 16, 40, seed=6)
+    alpha, beta, beta_c, sqn = ref.select_factors(keys, queries, feats, tau=0.7, view=view)
+    for seed, ex in ((0, None), (2**40 + 7, exclude)):
+        stats = {}
+        got = kmeanspp_triton(alpha, beta, 24, seed=seed, exclude=ex, beta_c=beta_c, sqn=sqn,
+                              block_n=128, variant="lazy", stats=stats)
+        want = ref.kmeanspp(alpha, beta, 24, seed=seed, exclude=ex, beta_c=beta_c, sqn=sqn)
+        assert torch.equal(got.cpu(), want.cpu()), (seed, got[:8], want[:8])
+        assert 22 <= stats["refreshed"] < 300  # >= one a step from step 2 on, far from all
+
+
+def test_lazy_variant_with_nonfinite_rows_duplicates_and_every_candidate_drawn():
+    """NaN / Inf rows are never drawn; 12 copies of one point reach D = 0 (their bounds tie at
+    0, so every such row is brought up to date and the first index wins among equal scores);
+    k = every eligible candidate; bf16 factors: the eager reference's picks throughout."""
+    g = torch.Generator().manual_seed(5)
+    alpha, beta = torch.randn(36, 6, generator=g), torch.randn(36, 5, generator=g)
+    alpha[8:20], beta[8:20] = alpha[8], beta[8]  # D = 0 once one copy is chosen
+    alpha[[3, 25]] = float("nan")
+    beta[26] = float("inf")
+    exclude = torch.zeros(36, dtype=torch.bool)
+    exclude[30:33] = True
+    alpha, beta, exclude = alpha.to(DEV), beta.to(DEV), exclude.to(DEV)
+    got = kmeanspp_triton(alpha, beta, 30, seed=1, exclude=exclude, block_n=16, variant="lazy")
+    assert torch.equal(got.cpu(), ref.kmeanspp(alpha, beta, 30, seed=1, exclude=exclude).cpu())
+    assert sorted(got.tolist()) == sorted(set(range(36)) - {3, 25, 26, 30, 31, 32})
+    a16, b16 = _factors(300, 5, 9, seed=2, dtype=torch.bfloat16)
+    assert torch.equal(kmeanspp_triton(a16, b16, 12, seed=3, block_n=64, variant="lazy").cpu(),
+                       ref.kmeanspp(a16, b16, 12, seed=3).cpu())
+
+
+def test_lazy_selection_plan_reads_the_pool_buffer_and_picks_as_the_reference(monkeypatch):
+    """kernels.select(variant='lazy') -- what `train.py --select-impl lazy` runs on a GPU: the
+    capacity-shaped plan over a pool's first n rows, with exclusions, picks the reference's."""
+    keys, queries, feats, exclude = _pool(400, 12, 16, 40, seed=7)
+    monkeypatch.setenv("CMACC_KERNELS", "reference")
+    want = kernels.select(keys[:300], queries, feats, 16, seed=5, exclude=exclude[:300])
+    monkeypatch.setenv("CMACC_KERNELS", "triton")
+    got = kernels.select(keys, queries, feats, 16, seed=5, exclude=exclude, n=300,
+                         variant="lazy")
+    assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("variant", ["steps", "lazy"])
+def test_two_level_reduction_of_a_large_grid_gives_the_reference_picks(variant):
+    """A grid of more blocks than one program reduces (N >= 1.2 M on a GPU) reduces its
+    per-block maxima in two levels: here 10 blocks of 16 rows, 4 partials a program (3 level-2
+    partials, the last one ragged), with exclusions -- the reference's picks."""
+    alpha, beta = _factors(160, 5, 9, seed=4)
+    exclude = (torch.rand(160, generator=torch.Generator().manual_seed(2)) < 0.3).to(DEV)
+    from kernels.triton_kmeanspp import seeding_config
+    cfg = seeding_config(160, 5, 9, variant, block_n=16, group=4)
+    assert (cfg["grid"], cfg["P2"], cfg["GROUP"]) == (10, 3, 4)
+    got = kmeanspp_triton(alpha, beta, 10, seed=7, exclude=exclude, block_n=16, group=4,
+                          variant=variant)
+    assert torch.equal(got.cpu(), ref.kmeanspp(alpha, beta, 10, seed=7, exclude=exclude).cpu())
+
+
 def test_first_pick_follows_the_counter_rng_for_many_seeds():
     """Step 0 is argmin_n E(seed, 0, n) over the eligible candidates."""
     alpha, beta = _factors(200, 4, 4)
