@@ -26,7 +26,8 @@ def _run(code: str) -> str:
     "views=('head',), precisions=('ieee', 'tf32x3'), factors=('fp32', 'bf16')",
     "views=('queries',), precisions=('tf32',), factors=('fp32',)",
     # M = 4,096's pool, N = 300 M: the per-block maxima reduced in two levels, the lazy race
-    "n=1228800, ms=(16, 256, 4096), precisions=('ieee',), factors=('fp32',), "
+    # (the k-means++ kernels do not depend on M: M = 256 adds the untiled embedding only)
+    "n=1228800, ms=(256, 4096), precisions=('ieee',), factors=('fp32',), "
     "variants=('steps', 'lazy')",
 ])
 def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
@@ -46,7 +47,7 @@ def test_every_selection_variant_compiles_for_h100_without_a_gpu(settings):
     assert ("'lazy_draw'" in out) == ("lazy" in settings or "variants=" not in settings)
     if big:  # one level held a [16384] tile of partials: 255 registers and spills
         eager = [ln for ln in out.splitlines() if ln.startswith(("kmeanspp", "reduce"))]
-        assert len(eager) >= 5 and all("0 bytes spill stores" in ln for ln in eager), out
+        assert len(eager) >= 4 and all("0 bytes spill stores" in ln for ln in eager), out
         lazy = [re.search(r"(\d+) bytes spill stores", ln) for ln in out.splitlines()
                 if ln.startswith("lazy")]  # up to 20 B in the refresh loops (RESULTS.md)
         assert len(lazy) >= 3 and all(m and int(m.group(1)) <= 32 for m in lazy), out
