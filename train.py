@@ -38,7 +38,7 @@ from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS
                           POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
 from cmacc.trainer import NonFiniteLoss, Trainer
-from data_dali.cli import ArgumentParser, Interrupted, UserError, command, say_error, setup_logging
+from data_dali.cli import ArgumentParser, Interrupted, UserError, command, setup_logging
 
 # flag → config field ("section.field"), argparse options; one --help group per block
 FLAGS = {
@@ -198,8 +198,7 @@ def main(argv=None) -> int:
     try:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
-        say_error(e)
-        sys.exit(1)
+        sys.exit(1 if getattr(e, "said", False) else f"error: {e}")  # (said: by every rank)
     except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
         print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
         return 0
