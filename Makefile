@@ -8,7 +8,7 @@ STAMP   = $(VENV)/.installed-cuda$(CUDA)
 CUDA   ?= 13
 REQS   := $(if $(filter 12,$(CUDA)),requirements-cu12.txt,requirements.txt)
 
-.PHONY: install demo test bench gpu-check clean
+.PHONY: install demo test coverage bench gpu-check clean
 
 install: $(STAMP)
 
@@ -21,8 +21,26 @@ $(STAMP): $(REQS) requirements-common.txt setup.py
 demo: install
 	$(PY) -m cmacc.apps.demo --out runs/demo
 
+# The suite in two passes, one torch thread per process: the tests that can share the machine
+# on JOBS workers (pytest-xdist), then those marked serial (torchrun groups, timed waits) alone.
+# A pass that selects nothing (pytest's exit 5) passes; any other failure fails the target.
+JOBS   ?= 2
+PYTEST := -m pytest tests -q -p no:cacheprovider --durations=15
+suite   = OMP_NUM_THREADS=1 $(1) $(PYTEST) -n $(JOBS) --dist worksteal -m "not serial"; a=$$?; \
+	  OMP_NUM_THREADS=1 $(1) $(PYTEST) -m serial; b=$$?; \
+	  for rc in $$a $$b; do [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || exit $$rc; done
+
 test: install
-	$(PY) -m pytest tests -q -p no:cacheprovider --durations=15
+	$(call suite,$(PY))
+
+# The same suite under coverage, subprocesses included (.coveragerc): report on stdout and in
+# runs/coverage/index.html
+coverage: install
+	rm -f .coverage .coverage.*
+	export COVERAGE_FILE=$(CURDIR)/.coverage COVERAGE_RCFILE=$(CURDIR)/.coveragerc; \
+	($(call suite,$(PY) -m coverage run)); rc=$$?; \
+	$(PY) -m coverage combine -q && $(PY) -m coverage report && \
+	$(PY) -m coverage html -q -d runs/coverage && exit $$rc
 
 bench: install
 	$(PY) -m pytest bench -q -p no:cacheprovider --benchmark-only --benchmark-columns=min,median,max,rounds
@@ -37,4 +55,4 @@ gpu-check: install
 	$(PY) bench/gpu_check.py
 
 clean:
-	rm -rf runs/demo .pytest_cache
+	rm -rf runs/demo runs/coverage .pytest_cache .coverage .coverage.*

@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     try:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
-        sys.exit(f"error: {e}")
+        sys.exit(1 if getattr(e, "said", False) else f"error: {e}")  # (said: by every rank)
     except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
         print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
         return 0

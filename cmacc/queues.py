@@ -37,6 +37,11 @@ class KeyQueue(nn.Module):
         self.index.index_copy_(0, pos, index.to(torch.long))
         self.ptr.copy_((self.ptr + m) % self.size)
 
+    def last(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [m, d], index [m]) of the m newest entries, oldest first (m <= K)."""
+        pos = (self.ptr - m + torch.arange(m, device=self.ptr.device)) % self.size  # [m]
+        return self.keys[pos], self.index[pos]
+
     @torch.no_grad()
     def fill(self, keys: torch.Tensor, index: torch.Tensor) -> None:
         """Replace the contents (initialisation with K encoded random clips)."""

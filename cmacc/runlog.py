@@ -184,28 +184,30 @@ class RunLogger:
 
 
 def summarise(out, method: str, **extra) -> dict:
-    """OUT/summary.json (means over the first and last quarter of OUT/metrics.csv's rows, and
-    ``extra``) and OUT/metrics.png. Read from the CSV, so a resumed run summarises its whole
-    history."""
+    """OUT/summary.json (each metric's mean over the first and the last quarter of the rows of
+    OUT/metrics.csv that have a value of it: a row that did not measure it, empty or NaN, is
+    skipped; NaN if none has; and ``extra``) and OUT/metrics.png. Read from the CSV, so a
+    resumed run summarises its whole history."""
     out = Path(out)
     path = out / "metrics.csv"
     rows = [{k: float(v) if v not in ("", None) else NAN for k, v in r.items()}
             for r in (read_csv(path) if path.is_file() else [])]
     if not rows:
         return {}
-    w = max(1, len(rows) // 4)
-    first, last = rows[:w], rows[-w:]
 
-    def mean(rs, k):
-        return sum(r[k] for r in rs) / len(rs)
+    def mean(k, which):
+        vals = [r[k] for r in rows if not math.isnan(r.get(k, NAN))]
+        w = max(1, len(vals) // 4)
+        part = {"first": vals[:w], "last": vals[-w:], "all": vals}[which]
+        return sum(part) / len(part) if part else NAN
 
     summary = dict(method=method, steps=int(rows[-1]["step"]),
-                   loss_first=mean(first, "loss"), loss_last=mean(last, "loss"),
-                   acc_first=mean(first, "acc"), acc_last=mean(last, "acc"),
-                   unique_per_m_last=mean(last, "unique_per_m"),
-                   coverage_last=mean(last, "coverage"),
-                   clips_per_s=mean(last, "clips_per_s"),
-                   data_wait_share=mean(rows, "data_wait"),  # of the wall time, whole run
+                   loss_first=mean("loss", "first"), loss_last=mean("loss", "last"),
+                   acc_first=mean("acc", "first"), acc_last=mean("acc", "last"),
+                   unique_per_m_last=mean("unique_per_m", "last"),
+                   coverage_last=mean("coverage", "last"),
+                   clips_per_s=mean("clips_per_s", "last"),
+                   data_wait_share=mean("data_wait", "all"),  # of the wall time, whole run
                    out=str(out), **extra)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     try:

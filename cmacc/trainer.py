@@ -21,7 +21,7 @@ Only an M that does not divide over the new ranks is refused (``_setup``).
 
 A run-ending condition is agreed by every rank (the per-step all-reduce: a non-finite step,
 more damaged clips than --max-bad-clips on any rank), so every rank stops after the same step
-with the same line; under torchrun the line is kept in OUT/stopped.json, and a restarted
+with the same line, said by every rank before any exits (``_end_together``); under torchrun the line is kept in OUT/stopped.json, and a restarted
 attempt of the same job repeats it at once instead of redoing the work into the same failure
 (``_repeat_an_agreed_stop``).
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data_dali.cli import Interrupted, UserError, output_folder
+from data_dali.cli import Interrupted, UserError, output_folder, say_error
 from data_dali.fileio import (FolderBusy, FolderLockError, hold_folder, sweep_temporaries,
                               write_failure)
 
@@ -90,6 +90,12 @@ def cuda_needs() -> str:
         except (OSError, subprocess.SubprocessError) as e:
             found = f"nvidia-smi fails ({e})"
     return f"{need}; found: {found}"
+
+
+def agreed(e: Exception) -> Exception:
+    """``e``, marked as raised by every rank after the same step (an agreed stop)."""
+    e.agreed = True
+    return e
 
 
 class NonFiniteLoss(RuntimeError):
@@ -202,7 +208,11 @@ class Trainer:
 
     def _run(self) -> dict:
         with self._process_group(), self._stop_on_signals():
-            self._repeat_an_agreed_stop()
+            try:
+                self._repeat_an_agreed_stop()
+            except (NonFiniteLoss, UsageError) as e:
+                self._end_together(e)
+                raise
             self._setup()
             try:
                 self._resume_or_init()
@@ -211,8 +221,10 @@ class Trainer:
                         self._train_epoch()
                     if self.saved_step != self.step:  # (an interval save may have just written it)
                         self.save("stop signal" if self.stop_requested else "end")
-                except (NonFiniteLoss, UsageError) as e:  # ends the run on every rank
+                except (NonFiniteLoss, UsageError) as e:  # ends the run (on every rank if agreed)
                     self._record_agreed_stop(e)
+                    if isinstance(e, NonFiniteLoss) or getattr(e, "agreed", False):
+                        self._end_together(e)
                     raise
             finally:
                 if self.bar is not None:
@@ -254,12 +266,13 @@ class Trainer:
             told = [str(self.store.last) if self.rank == 0 and error is None else None]
             dist.broadcast_object_list(told, 0)
             if told[0] is None and error is None:
-                raise UsageError(f"rank 0 could not write the checkpoint of step {self.step} "
-                                 f"in {self.out} (its log says why); resume with --resume auto")
+                raise agreed(UsageError(f"rank 0 could not write the checkpoint of step "
+                                        f"{self.step} in {self.out} (its log says why); resume "
+                                        "with --resume auto"))
             if told[0] is not None:  # each rank's stop line names the checkpoint
                 self.store.last = Path(told[0])
         if error is not None:
-            raise self._write_error(f"the checkpoint of step {self.step}", error) from None
+            raise agreed(self._write_error(f"the checkpoint of step {self.step}", error)) from None
 
     # -- agreed stops under torchrun -------------------------------------------------------------
     def _record_agreed_stop(self, e: Exception) -> None:
@@ -275,6 +288,15 @@ class Trainer:
             log.warning("could not write %s (%s): a restarted attempt will redo the steps since "
                         "the last checkpoint", self.out / ckpt.STOP_FILE, w)
 
+    def _end_together(self, e: Exception) -> None:
+        """An agreed stop under torchrun: each rank says its line, then waits for the others
+        before it exits (torchrun ends the ranks still running once one has exited, which could
+        cut a rank off before its line)."""
+        if du.is_dist() and du.world_size() > 1:
+            say_error(e)
+            with contextlib.suppress(Exception):  # a lost rank: the others' lines are said
+                dist.barrier()
+
     def _repeat_an_agreed_stop(self) -> None:
         """A torchrun restart of a job whose ranks agreed to stop: the same line and exit code at
         once, before any work; rank 0 reads the record for every rank (another node's listing
@@ -289,7 +311,7 @@ class Trainer:
                  "training again into the same failure", du.restart_count(), stop["step"])
         if stop["code"] == 1:
             raise NonFiniteLoss(stop["line"])
-        raise UsageError(stop["line"])
+        raise agreed(UsageError(stop["line"]))
 
     def _write_error(self, what: str, e: BaseException) -> UsageError:
         """One line for a write that failed (full disk, vanished folder: any exception type)."""
@@ -626,7 +648,7 @@ class Trainer:
             if self.too_many_bad:  # agreed by every rank: this step is kept, then all stop
                 if self.saved_step != self.step:
                     self.save("too many damaged clips")
-                raise UsageError(self.too_many_bad)
+                raise agreed(UsageError(self.too_many_bad))
             if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()

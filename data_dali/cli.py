@@ -66,6 +66,14 @@ def first_line(e: BaseException, limit: int | None = None) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
+def say_error(e: BaseException) -> None:
+    """A command's error as its one line on stderr, ``error: <message>``, said once (the ranks
+    of a run that ends on an agreed error say it before any of them exits: cmacc.trainer)."""
+    if not getattr(e, "said", False):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        e.said = True
+
+
 def wants_debug(argv) -> bool:
     return "--debug" in (sys.argv[1:] if argv is None else argv)
 
@@ -102,7 +110,7 @@ def command(main=None, *, kept: str = KEPT):
                 _stdout_to_devnull()            # as a SIGPIPE would (exit 141)
                 raise SystemExit(INTERRUPT_EXIT + signal.SIGPIPE) from None
             if isinstance(e, UserError):
-                print(f"error: {e}", file=sys.stderr)
+                say_error(e)
                 raise SystemExit(USER_ERROR_EXIT) from None
             if isinstance(e, (Interrupted, KeyboardInterrupt)):
                 signum = getattr(e, "signum", signal.SIGTERM if isinstance(e, Terminated) else

@@ -2,9 +2,17 @@
 must be set before any @triton.jit function is defined (at the first import of
 kernels.triton_grad_embed / kernels.triton_kmeanspp), hence here, before any test imports.
 Under CMACC_TEST_DEVICE=meta (tests/devices.py) the kernels are the interpreter's too, and
-``_kernels_take_the_declared_device`` checks what each test hands them."""
+``_kernels_take_the_declared_device`` checks what each test hands them.
+
+``make test`` runs the suite on two pytest-xdist workers with one torch thread each (set here,
+before torch is imported, for a worker started without it), then the tests marked ``serial``
+alone: those that start several processes at once (torchrun) or wait on timers that a busy
+machine would stretch."""
 
 import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
@@ -13,6 +21,12 @@ from devices import DEV
 
 if not torch.cuda.is_available() or DEV == "meta":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: needs the whole machine; make test runs it alone, "
+                            "after the parallel pass")
+
 
 REACHED = "reached the kernels with every tensor on the declared device"
 

@@ -100,19 +100,21 @@ def test_intervals_print_as_mean_plus_minus_half_width():
 
 
 def test_the_demo_diversity_figure_is_the_mean_of_the_last_quarter(tmp_path):
-    """demo.last_quarter_unique: the mean unique/M of the last quarter of the rows that have a
-    value (a hand-built metrics.csv: 9 valued rows -> the last 2; 'nan' and empty skipped);
-    a file with no value is an error."""
-    from cmacc.apps import demo
+    """The demo's figure, runlog.summarise's unique_per_m_last: the mean unique/M of the last
+    quarter of the rows that have a value (a hand-built metrics.csv: 9 valued rows -> the last
+    2; 'nan' and empty skipped, the other metrics' quarters taken over their own rows); a file
+    with no value gives NaN."""
+    from cmacc.runlog import summarise
 
-    vals = [0.1, 0.2, 0.9, 0.5, "nan", 0.3, 0.4, "", 0.6, 0.8, 0.7]
+    vals = [0.1, 0.2, 0.9, 0.5, 0.3, 0.4, 0.6, 0.8, "nan", 0.7, ""]
+    head = "step,loss,acc,unique_per_m,coverage,clips_per_s,data_wait\n"
     path = tmp_path / "metrics.csv"
-    path.write_text("step,unique_per_m,coverage\n"
-                    + "".join(f"{10 * (i + 1)},{v},0\n" for i, v in enumerate(vals)))
-    assert demo.last_quarter_unique(path) == pytest.approx((0.8 + 0.7) / 2)
-    path.write_text("step,unique_per_m,coverage\n10,nan,0\n")
-    with pytest.raises(ValueError, match="no unique_per_m rows"):
-        demo.last_quarter_unique(path)
+    path.write_text(head + "".join(f"{10 * (i + 1)},{i},0.5,{v},0,1,0\n" for i, v in enumerate(vals)))
+    s = summarise(tmp_path, "CM-ACC")
+    assert s["unique_per_m_last"] == pytest.approx((0.8 + 0.7) / 2)
+    assert s["loss_last"] == pytest.approx((9 + 10) / 2) and s["steps"] == 110  # 11 rows: 2
+    path.write_text(head + "10,1,0.5,nan,0,1,0\n")
+    assert math.isnan(summarise(tmp_path, "CM-ACC")["unique_per_m_last"])
 
 
 @pytest.mark.parametrize("diffs, says", [

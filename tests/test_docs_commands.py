@@ -78,7 +78,7 @@ def _makefile_recipe(target: str) -> str:
 GPU = "needs a CUDA GPU: make gpu-check runs the GPU commands"
 MINUTES = "minutes of CPU even scaled down: {}"
 PLAN = [  # (regex matched against the command from its start, Run or Skip); first match wins
-    (r"make test$", Skip("the test suite itself (this test is part of it)")),
+    (r"make (test|coverage)$", Skip("the test suite itself (this test is part of it)")),
     (r"make demo$", Skip(MINUTES.format("its MP4s are encoded and six runs pretrained and "
                                         "probed; runs/demo here is a stand-in (workspace)"))),
     (r"python -m data_dali\.prepare (UCF-101|hmdb51|ESC-50-master|kinetics400) ",

@@ -43,6 +43,15 @@ def _usage_error(capsys, argv):
     return err
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A run of 2 steps (TINY; checkpoint ckpt_00000002.pt), trained once: the tests that
+    continue or damage such a run work on their own copy."""
+    out = tmp_path_factory.mktemp("two_steps") / "run"
+    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    return out
+
+
 # -- checkpoints: one run per folder, retention deletes only this run's ------------------------
 def test_new_run_never_deletes_or_overwrites_another_runs_checkpoints(tmp_path, capsys):
     out = tmp_path / "run"
@@ -68,24 +77,25 @@ def test_retention_keeps_newest_valid_and_never_touches_foreign_files(tmp_path):
     assert path.name == "ckpt_00000008.pt" and state["step"] == 8
 
 
-def test_resume_auto_names_the_skipped_checkpoints(tmp_path, capsys):
+def test_resume_auto_names_the_skipped_checkpoints(tmp_path, capsys, two_steps):
     out = tmp_path / "run"
-    train.main(TINY + ["--steps", "3", "--out", str(out)])
+    shutil.copytree(two_steps, out)
     (out / "ckpt_00000009.pt").write_bytes(b"truncated")
     capsys.readouterr()
-    train.main(TINY + ["--steps", "5", "--out", str(out)])
+    train.main(TINY + ["--steps", "3", "--out", str(out)])
     log = capsys.readouterr().err
     assert "skipping checkpoint" in log and "ckpt_00000009.pt" in log
-    assert "ckpt_00000003.pt (step 3)" in log and "resumed run" in log
+    assert "ckpt_00000002.pt (step 2)" in log and "resumed run" in log
 
 
-def test_a_checkpoint_of_another_world_size_resumes_and_says_what_changed(tmp_path, capsys):
+def test_a_checkpoint_of_another_world_size_resumes_and_says_what_changed(tmp_path, capsys,
+                                                                          two_steps):
     """A checkpoint written by 8 ranks resumes in one process (nothing in it depends on the
     world size): one log line names what was re-derived, and the run ends equal to the same
     resume of the same checkpoint marked as written by one rank."""
     out, same = tmp_path / "run", tmp_path / "same"
-    train.main(TINY + ["--steps", "2", "--out", str(out)])
-    shutil.copytree(out, same)
+    shutil.copytree(two_steps, out)
+    shutil.copytree(two_steps, same)
     state = ckpt.load(out / "ckpt_00000002.pt")
     state["world_size"] = 8
     torch.save(state, out / "ckpt_00000002.pt")
@@ -181,9 +191,9 @@ def test_a_restart_after_an_agreed_nan_stop_repeats_the_line_at_once(tmp_path, n
 # -- resume continuity: metrics, TensorBoard and summary as if never interrupted --------------
 def test_resumed_metrics_and_summary_equal_an_uninterrupted_run(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    train.main(TINY + ["--steps", "9", "--tensorboard", "--out", str(a)])
-    train.main(TINY + ["--steps", "5", "--tensorboard", "--out", str(b)])  # an off-grid last row
-    train.main(TINY + ["--steps", "9", "--tensorboard", "--out", str(b)])
+    train.main(TINY + ["--steps", "5", "--tensorboard", "--out", str(a)])
+    train.main(TINY + ["--steps", "3", "--tensorboard", "--out", str(b)])  # an off-grid last row
+    train.main(TINY + ["--steps", "5", "--tensorboard", "--out", str(b)])
     assert _rows(b) == _rows(a)
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     for k in sa:
@@ -236,9 +246,10 @@ def test_kill_9_during_a_save_loses_nothing_finished(tmp_path):
     assert _rows(out) == _rows(ref)
 
 
-def test_full_disk_on_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch):
+def test_full_disk_on_save_is_one_line_and_keeps_the_last_checkpoint(tmp_path, capsys, monkeypatch,
+                                                                    two_steps):
     out = tmp_path / "run"
-    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    shutil.copytree(two_steps, out)
     real = torch.save
 
     def full(obj, f, *a, **k):
@@ -295,13 +306,13 @@ def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
         assert "weights_only" not in err, err  # never torch's advice to load unsafely
 
 
-def test_a_skipped_checkpoint_says_why_in_our_words(tmp_path, caplog):
+def test_a_skipped_checkpoint_says_why_in_our_words(tmp_path, caplog, two_steps):
     """A file a weights-only load refuses (it pickles an object: it could run code) is skipped
     by --resume auto with our reason; torch's "re-run with weights_only=False" never shows."""
     import argparse
 
     out = tmp_path / "run"
-    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    shutil.copytree(two_steps, out)
     torch.save({"step": 9, "model": argparse.Namespace(x=1)}, out / "ckpt_00000009.pt")
     with caplog.at_level("WARNING"):
         train.main(TINY + ["--steps", "3", "--out", str(out)])
@@ -336,12 +347,13 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-def test_a_checkpoint_on_a_really_full_disk_is_one_line_and_keeps_the_last(small_disk, capsys):
+def test_a_checkpoint_on_a_really_full_disk_is_one_line_and_keeps_the_last(small_disk, capsys,
+                                                                           two_steps):
     """torch.save on a full filesystem raises RuntimeError('... unexpected pos ...'), not
     OSError: still one line naming the step and the last good checkpoint, exit 2, no
     temporary left, the last checkpoint loadable."""
     out = small_disk / "run"
-    train.main(TINY + ["--steps", "2", "--out", str(out)])
+    shutil.copytree(two_steps, out)
     err = _usage_error(capsys, TINY + ["--steps", "4", "--out", str(out)])
     lines = err.strip().splitlines()
     assert lines[-1].startswith("error: cannot write the checkpoint of step 4"), lines[-1]

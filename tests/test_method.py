@@ -43,6 +43,10 @@ def test_queue_wraps_around_with_k_not_a_multiple_of_m():
         assert q.index[s].item() == written[last][0]
         assert q.keys[s, 0].item() == pytest.approx(written[last][1])
     assert q.ptr.item() == 15 % 7
+    for m in (1, 3, 7):  # the m newest writes, oldest first
+        keys, idx = q.last(m)
+        assert idx.tolist() == [i for i, _ in written[-m:]]
+        assert keys[:, 0].tolist() == pytest.approx([k for _, k in written[-m:]])
 
 
 def test_queue_keeps_only_newest_when_m_exceeds_k():

@@ -156,6 +156,27 @@ def test_missing_omniglot_is_a_clear_error(tmp_path):
         mi.Glyphs(tmp_path)
 
 
+def test_an_encoder_renders_only_the_side_it_encodes():
+    """A key re-encoding (encode_pairs) and the probe's features render only x or only y (each
+    rendered image is a gather of every position's glyph), and encode what pairs.batch gives."""
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([7, 5]), 2, 40, seed=3, drawers=range(0, 14))
+    model = mi.train.build_model("CM-ACC", mi.MIConfig(**mi.QUICK), seed=0).eval()
+    sides, image = [], pairs.image
+    pairs.image = lambda idx, side: sides.append(side) or image(idx, side)
+    index = torch.arange(8)
+    x, y = mi.MultiOmniglotPairs.batch(pairs, index)  # (the reference: both sides rendered)
+    sides.clear()
+    with torch.no_grad():
+        for which, enc, side in (("video", model.h_v, x), ("audio", model.h_a, y)):
+            got = mi.train.encode_pairs(model, pairs, index, which)
+            assert sides == [{"video": "x", "audio": "y"}[which]]
+            torch.testing.assert_close(got, model.encode_keys(enc, side), rtol=0, atol=0)
+            sides.clear()
+        mi.probe.features(model, pairs, n=8)
+        mi.probe.pixel_features(pairs, n=8)
+    assert sides == ["x", "x"]
+
+
 def test_augment_translates_each_sample_by_its_own_shift():
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(64, 1, 12, 10, generator=gen)

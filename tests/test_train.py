@@ -2,6 +2,7 @@
 
 import csv
 import json
+import shutil
 
 import pytest
 import torch
@@ -137,12 +138,12 @@ def test_a_run_says_when_its_sampler_selects_and_records_the_steps_that_did(tmp_
         assert "--dict-size 32 is larger than the dataset (24 clips)" in capsys.readouterr().err
 
 
-def test_corrupt_latest_checkpoint_is_skipped(tmp_path):
+def test_corrupt_latest_checkpoint_is_skipped(tmp_path, tiny_run):
     out = tmp_path / "run"
-    train.main(TINY + ["--steps", "5", "--out", str(out)])
+    shutil.copytree(tiny_run, out)  # (a 6-step run)
     (out / "ckpt_00000009.pt").write_bytes(b"not a checkpoint")
     path, state = ckpt.find_latest_valid(out)
-    assert path.name == "ckpt_00000005.pt" and state["step"] == 5
+    assert path.name == "ckpt_00000006.pt" and state["step"] == 6
 
 
 def test_a_second_run_on_a_folder_in_use_is_refused_and_a_run_lets_go_when_it_ends(tmp_path,

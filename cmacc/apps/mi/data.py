@@ -172,33 +172,34 @@ class MultiOmniglotPairs:
             out.append(mask)
         return out
 
-    def y_labels(self) -> torch.Tensor:
-        """y's character at every position [n, l]."""
+    def y_labels(self, idx=slice(None)) -> torch.Tensor:
+        """y's character at every position [n, l] (of the pairs ``idx``: [B, l])."""
         shift = 1 if self.relation == "next" else 0
-        return (self.labels + shift) % torch.tensor(self.sizes)
+        return (self.labels[idx] + shift) % torch.tensor(self.sizes)
 
-    def images(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """uint8 ink x, y [B, 1, rows*32, cols*32] of the pairs ``idx`` (one gather per
-        position; empty cells of the grid stay blank)."""
+    def image(self, idx, side: str) -> torch.Tensor:
+        """uint8 ink [B, 1, rows*32, cols*32] of the x or y ``side`` of the pairs ``idx`` (one
+        gather per position; empty cells of the grid stay blank)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
-        b = idx.shape[0]
-        x = torch.zeros(b, self.rows, self.cols, CELL, CELL, dtype=torch.uint8)
-        y = torch.zeros_like(x)
-        zy = self.y_labels()[idx] if self.relation == "next" else None
+        chars = self.labels[idx] if side == "x" else self.y_labels(idx)  # [B, l]
+        hands = (self.drawer_x if side == "x" else self.drawer_y)[idx].long()  # [B, l]
+        img = torch.zeros(idx.shape[0], self.rows, self.cols, CELL, CELL, dtype=torch.uint8)
         for i, bank in enumerate(self.bank):
-            r, c = divmod(i, self.cols)
-            z = self.labels[idx, i]
-            x[:, r, c] = bank[z, self.drawer_x[idx, i].long()]
-            y[:, r, c] = bank[z if zy is None else zy[:, i], self.drawer_y[idx, i].long()]
+            img[:, i // self.cols, i % self.cols] = bank[chars[:, i], hands[:, i]]
         # [B, rows, cols, 32, 32] → [B, 1, rows*32, cols*32]
-        shape = (b, 1, self.rows * CELL, self.cols * CELL)
-        return (x.permute(0, 1, 3, 2, 4).reshape(shape), y.permute(0, 1, 3, 2, 4).reshape(shape))
+        return img.permute(0, 1, 3, 2, 4).reshape(idx.shape[0], 1, self.rows * CELL, self.cols * CELL)
+
+    def images(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """uint8 ink x, y [B, 1, rows*32, cols*32] of the pairs ``idx``."""
+        return self.image(idx, "x"), self.image(idx, "y")
+
+    def render(self, idx, side: str) -> torch.Tensor:
+        """Float [0, 1] (ink = 1), channels-last: the ``side`` ("x" or "y") of the pairs ``idx``."""
+        return ink_to_float(self.image(idx, side)).contiguous(memory_format=torch.channels_last)
 
     def batch(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
         """Float x, y in [0, 1] (ink = 1), channels-last, of the pairs ``idx``."""
-        x, y = self.images(idx)
-        cl = torch.channels_last
-        return ink_to_float(x).contiguous(memory_format=cl), ink_to_float(y).contiguous(memory_format=cl)
+        return self.render(idx, "x"), self.render(idx, "y")
 
 
 def check_glyphs(glyphs: Glyphs, root, max_chars: int) -> None:

@@ -17,7 +17,7 @@ def features(model: CMACC, pairs: MultiOmniglotPairs, n: int | None = None, chun
     """The frozen x-encoder's backbone features (pre-head, eval mode) of the first n pairs."""
     bb = model.f_v.backbone.eval()
     n = len(pairs) if n is None else min(n, len(pairs))
-    out = torch.cat([bb(pairs.batch(torch.arange(s, min(s + chunk, n)))[0])
+    out = torch.cat([bb(pairs.render(torch.arange(s, min(s + chunk, n)), "x"))
                      for s in range(0, n, chunk)])
     model.f_v.backbone.train()
     return out
@@ -28,7 +28,7 @@ def pixel_features(pairs: MultiOmniglotPairs, n: int | None = None, chunk=1000):
     """x's pixels, 2x2-average-pooled (16x16 per character cell), flattened: the probe's
     floor without any encoder."""
     n = len(pairs) if n is None else min(n, len(pairs))
-    return torch.cat([F.avg_pool2d(pairs.batch(torch.arange(s, min(s + chunk, n)))[0], 2)
+    return torch.cat([F.avg_pool2d(pairs.render(torch.arange(s, min(s + chunk, n)), "x"), 2)
                       .flatten(1) for s in range(0, n, chunk)])
 
 

@@ -171,9 +171,9 @@ def encode_pairs(model: CMACC, pairs: MultiOmniglotPairs, index: torch.Tensor,
                  which: str) -> torch.Tensor:
     """Keys [m, d] of the pairs ``index`` by the current key encoder of ``which`` ("video":
     x, h_v; "audio": y, h_a), as the model encodes a batch's keys."""
-    x, y = pairs.batch(index)
-    return model.encode_keys(model.h_v if which == "video" else model.h_a,
-                             x if which == "video" else y)
+    video = which == "video"
+    return model.encode_keys(model.h_v if video else model.h_a,
+                             pairs.render(index, "x" if video else "y"))
 
 
 @torch.no_grad()
@@ -187,8 +187,7 @@ def enqueued_key_cosine(model: CMACC, pairs: MultiOmniglotPairs, m: int) -> floa
     cos = []
     with torch.random.fork_rng(devices=[]):
         for dictionary, which in ((model.dict_v, "video"), (model.dict_a, "audio")):
-            pos = (int(dictionary.ptr) - m + torch.arange(m)) % dictionary.size
-            keys, index = dictionary.keys[pos], dictionary.index[pos]
+            keys, index = dictionary.last(m)
             fresh = encode_pairs(model, pairs, index, which)
             cos.append(float((keys.float() * fresh.float()).sum(1).mean()))
     for b, saved in zip((b for enc in (model.h_v, model.h_a) for b in enc.buffers()), buffers):
