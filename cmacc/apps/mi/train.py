@@ -3,6 +3,7 @@ the model of each method, the stop rule and the loop."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -176,23 +177,33 @@ def encode_pairs(model: CMACC, pairs: MultiOmniglotPairs, index: torch.Tensor,
                              pairs.render(index, "x" if video else "y"))
 
 
-@torch.no_grad()
+@contextlib.contextmanager
+def _measurement(model: CMACC):
+    """A block that measures and leaves the run as it was: the random state (shuffle-BN draws
+    a permutation per encoding) and every encoder's BN buffers are restored after it."""
+    buffers = [b for enc in (model.f_v, model.f_a, model.h_v, model.h_a) for b in enc.buffers()]
+    saved = [b.clone() for b in buffers]
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        yield
+    for b, s in zip(buffers, saved):
+        b.copy_(s)
+
+
+def _cosine_to_fresh(model, pairs, keys, index, which) -> float:
+    """The mean cosine between stored keys and the current key encoder's keys of their pairs."""
+    fresh = encode_pairs(model, pairs, index, which)
+    return float((keys.float() * fresh.float()).sum(1).mean())
+
+
 def enqueued_key_cosine(model: CMACC, pairs: MultiOmniglotPairs, m: int) -> float:
     """How fresh the keys just enqueued are: the mean cosine between each of the last m keys
     of D_v and D_a and the key of the same pair by the current key encoder (1: encoded now;
-    XMoCo's batch keys are encoded in this step, with other BN groups). A measurement only:
-    the random state and the key encoders' BN buffers are restored, so the run trains as it
-    would without it."""
-    buffers = [b.clone() for enc in (model.h_v, model.h_a) for b in enc.buffers()]
-    cos = []
-    with torch.random.fork_rng(devices=[]):
-        for dictionary, which in ((model.dict_v, "video"), (model.dict_a, "audio")):
-            keys, index = dictionary.last(m)
-            fresh = encode_pairs(model, pairs, index, which)
-            cos.append(float((keys.float() * fresh.float()).sum(1).mean()))
-    for b, saved in zip((b for enc in (model.h_v, model.h_a) for b in enc.buffers()), buffers):
-        b.copy_(saved)
-    return statistics.fmean(cos)
+    XMoCo's batch keys are encoded in this step, with other BN groups). A measurement only
+    (``_measurement``): the run trains as it would without it."""
+    with _measurement(model):
+        return statistics.fmean(_cosine_to_fresh(model, pairs, *dictionary.last(m), which)
+                                for dictionary, which in ((model.dict_v, "video"),
+                                                          (model.dict_a, "audio")))
 
 
 def _mean(values) -> float:
@@ -201,20 +212,9 @@ def _mean(values) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
-def _key_buffers(model: CMACC) -> list[torch.Tensor]:
-    return [b for enc in (model.f_v, model.f_a, model.h_v, model.h_a) for b in enc.buffers()]
-
-
-def _sample(valid: torch.Tensor, m: int, g: torch.Generator) -> torch.Tensor:
-    """Up to m of the positions where ``valid`` holds, uniformly without replacement."""
-    where = valid.nonzero().flatten()
-    return where[torch.randperm(where.numel(), generator=g)[:m]]
-
-
-@torch.no_grad()
 def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step: int) -> dict:
     """What the selection and the pretext task see, measured against the current encoders
-    (a measurement only: the random state and every encoder's BN buffers are restored).
+    (a measurement only, ``_measurement``).
 
     pool_cos   the mean cosine between M random pool entries' stored keys (the selection's
                inputs) and the current key encoders' keys of the same pairs; NaN for a
@@ -225,17 +225,14 @@ def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step
     acc_fresh  the same queries, positives and entries, the entries re-encoded now: the
                difference to acc_stored is what the entries' age alone makes of the task"""
     m = batch.numel()
-    saved = [b.clone() for b in _key_buffers(model)]
     g = torch.Generator().manual_seed(step)
     out = {"pool_cos": math.nan}
-    with torch.random.fork_rng(devices=[]):
+    with _measurement(model):
         if model.sel.sampler != "random" and model.pool_v.count:
-            cos = []
-            for pool, which in ((model.pool_v, "video"), (model.pool_a, "audio")):
-                at = _sample(torch.arange(pool.size) < pool.count, m, g)
-                fresh = encode_pairs(model, pairs, pool.index[at], which)
-                cos.append(float((pool.keys[at].float() * fresh.float()).sum(1).mean()))
-            out["pool_cos"] = statistics.fmean(cos)
+            out["pool_cos"] = statistics.fmean(
+                _cosine_to_fresh(model, pairs, pool.keys[at], pool.index[at], which)
+                for pool, which in ((model.pool_v, "video"), (model.pool_a, "audio"))
+                for at in [torch.randperm(pool.count, generator=g)[:m]])
         x, y = pairs.batch(batch)
         q = {"video": model.f_v(x)[0].float(), "audio": model.f_a(y)[0].float()}
         pos = {"video": model.encode_keys(model.h_v, x).float(),
@@ -243,7 +240,8 @@ def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step
         acc = {"stored": [], "fresh": []}
         for dictionary, which, other in ((model.dict_a, "audio", "video"),
                                          (model.dict_v, "video", "audio")):
-            at = _sample(dictionary.index >= 0, m, g)  # D_which's negatives of q_other
+            real = (dictionary.index >= 0).nonzero().flatten()  # entries of a real pair
+            at = real[torch.randperm(real.numel(), generator=g)[:m]]  # D_which's, of q_other
             if not at.numel():
                 continue
             negs = {"stored": dictionary.keys[at].float(),
@@ -254,8 +252,6 @@ def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step
                 acc[k].append(float((logits.argmax(1) == 0).float().mean()))
         for k, v in acc.items():
             out[f"acc_{k}"] = statistics.fmean(v) if v else math.nan
-    for b, s in zip(_key_buffers(model), saved):
-        b.copy_(s)
     return out
 
 
