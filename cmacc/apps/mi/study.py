@@ -102,7 +102,7 @@ def _settings(glyphs: Glyphs, chars, cfg: MIConfig, relation, n_train, n_test, n
     return {"alphabets": glyphs.names[:max(chars)], "alphabet_sizes": glyphs.sizes[:max(chars)],
             "relation": relation, "n_train": n_train, "n_test": n_test, "n_probe": n_probe,
             "config": dataclasses.asdict(cfg),
-            **({"char_dist": char_dist} if char_dist != "uniform" else {})}
+            **({"char_dist": char_dist} if zipf_exponent(char_dist) > 0 else {})}
 
 
 def _resume(path: Path, settings: dict) -> dict:
@@ -241,7 +241,8 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
             ts = MultiOmniglotPairs(glyphs, l, n_test, seed=1000 * l + 2, relation=relation,
                                     drawers=range(0, TRAIN_DRAWERS))
             data.clear()  # one l at a time in memory
-            data[l] = tr, {"held_out": te, "seen": ts}, tr.tail() if char_dist != "uniform" else None
+            tail = tr.tail() if zipf_exponent(char_dist) > 0 else None  # (zipf:0 is uniform)
+            data[l] = tr, {"held_out": te, "seen": ts}, tail
         return data[l]
 
     def save():
