@@ -23,6 +23,11 @@ from pathlib import Path
 
 import pytest
 
+# the commands run in README order in one workspace (a run before its eval, an export before
+# the eval of its file): never split over pytest-xdist workers, nor reordered (make test runs
+# the serial tests in one process, in order)
+pytestmark = pytest.mark.serial
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_TAGS = ("bash", "sh", "shell", "console")
