@@ -42,7 +42,8 @@ from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS
 from cmacc.encoders import VIDEO_ARCHS
 from data_dali.augment import AUGMENTS
 from cmacc.trainer import NonFiniteLoss, Trainer
-from data_dali.cli import ArgumentParser, Interrupted, UserError, command, setup_logging
+from data_dali.cli import (ArgumentParser, Interrupted, UserError, command, say_line,
+                           setup_logging)
 
 # flag → config field ("section.field"), argparse options; one --help group per block
 FLAGS = {
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1
         sys.exit(1 if getattr(e, "said", False) else f"error: {e}")  # (said: by every rank)
     except Interrupted as e:  # saved on every rank: exit 0, so that torchrun does not restart
-        print(f"interrupted; {e}", file=sys.stderr)  # the workers and a scheduler sees a clean stop
+        say_line(f"interrupted; {e}")  # the workers and a scheduler sees a clean stop
         return 0
     if summary and summary.get("steps", 0) > cfg.run.steps:  # resumed past the asked end
         logging.getLogger("cmacc").warning(

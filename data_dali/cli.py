@@ -66,11 +66,19 @@ def first_line(e: BaseException, limit: int | None = None) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
+def say_line(line: str) -> None:
+    """One line on stderr in one write: print() writes the text and its newline apart (stderr
+    is written through), so the lines of two ranks sharing torchrun's stderr could interleave
+    into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def say_error(e: BaseException) -> None:
     """A command's error as its one line on stderr, ``error: <message>``, said once (the ranks
     of a run that ends on an agreed error say it before any of them exits: cmacc.trainer)."""
     if not getattr(e, "said", False):
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say_line(f"error: {e}")
         e.said = True
 
 
@@ -115,8 +123,7 @@ def command(main=None, *, kept: str = KEPT):
             if isinstance(e, (Interrupted, KeyboardInterrupt)):
                 signum = getattr(e, "signum", signal.SIGTERM if isinstance(e, Terminated) else
                                  signal.SIGINT)
-                print(f"interrupted; {e if isinstance(e, Interrupted) else kept}",
-                      file=sys.stderr)
+                say_line(f"interrupted; {e if isinstance(e, Interrupted) else kept}")
                 raise SystemExit(INTERRUPT_EXIT + signum) from None
             raise
         finally:
