@@ -135,6 +135,73 @@ def test_the_demo_verdict_follows_the_t_interval_over_seeds(diffs, says):
         assert f"± {half:.3f}" in text and (abs(np.mean(diffs)) > half) == ("excludes" in text)
 
 
+@pytest.mark.parametrize("diffs", [[0.10, 0.12, 0.08], [0.05, -0.04, 0.01], [-0.10, -0.12, -0.08],
+                                   [0.05], [0.02, 0.03, 0.021, 0.4, -0.1]])
+def test_the_demo_says_why_exactly_when_its_interval_does_not_show_active_above_random(diffs):
+    """demo.why_not: no lines when the 95% t-interval (scipy's quantile) lies above 0; otherwise
+    the runs' pretext-accuracy range, every seed's difference, the interval's half-width, the
+    crop only where the files are cropped hard, and where the mechanism does show."""
+    from cmacc.apps import demo
+
+    acc = [0.071, 0.108, 0.093]
+    shows = len(diffs) > 1 and np.mean(diffs) - stats.t.ppf(0.975, len(diffs) - 1) * np.std(
+        diffs, ddof=1) / np.sqrt(len(diffs)) > 0
+    for data, augment, scale, crop in (("files", demo.AUGMENTS, 0.3, True),
+                                       ("files", ("flip",), 0.3, False),
+                                       ("files", demo.AUGMENTS, 0.8, False),
+                                       ("toy", (), 0.3, False)):
+        lines = demo.why_not(diffs, acc, data, augment, scale)
+        if shows:
+            assert lines == []
+            continue
+        text = "\n".join(lines)
+        assert "0.071–0.108" in text and "--data toy" in text
+        assert ("random resized crop above all" in text) == crop
+        assert ("--augment none" in text) == (data == "files")
+        if len(diffs) > 1:
+            assert all(f"{d:+.3f}" in text for d in diffs)
+            half = stats.t.ppf(0.975, len(diffs) - 1) * np.std(diffs, ddof=1) / np.sqrt(len(diffs))
+            assert f"±{half:.3f}" in text
+
+
+def test_the_demo_states_its_augmentation_and_passes_it_to_every_run(monkeypatch, tmp_path, capsys):
+    """The demo's setting line names the augmentation and whether it is the paper's; --augment
+    and --crop-scale reach every run's config (none: no augmentation), the default leaves the
+    config's own (the paper's, so earlier demo folders resume); flags that cannot apply are one
+    line, exit 2, before anything is written."""
+    from cmacc.apps import demo
+
+    assert demo.augmentation_line("files", demo.AUGMENTS, 0.3).endswith("(the paper's)")
+    assert "(the paper's: all four, crop area 0.3–1)" in demo.augmentation_line("files", ("crop",), 0.5)
+    assert "area 0.5–1" in demo.augmentation_line("files", ("crop",), 0.5)
+    assert demo.augmentation_line("files", (), 0.3).startswith("augmentation: none (centre crop")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_pretrain(run_dir, sampler, steps, *, data, sections):
+        seen.append(analysis.run_config(run_dir, sampler, steps, data=data, sections=sections).data)
+        raise Stop
+
+    monkeypatch.setattr(demo, "prepare_demo_data", lambda out: "synthetic")
+    monkeypatch.setattr(demo, "pretrain", fake_pretrain)
+    for flags, augment, scale in (([], demo.AUGMENTS, 0.3), (["--augment", "none"], (), 0.3),
+                                  (["--augment", "flip", "--crop-scale", "0.6"], ("flip",), 0.6)):
+        with pytest.raises(Stop):
+            demo.main(["--out", str(tmp_path / f"demo{len(seen)}"), "--steps", "2", "--seeds", "1", *flags])
+        assert seen[-1].augment == augment and seen[-1].crop_scale == scale
+        assert capsys.readouterr().out.startswith(demo.augmentation_line("files", augment, scale))
+    for flags in (["--data", "toy", "--augment", "none"], ["--data", "toy", "--crop-scale", "0.5"],
+                  ["--augment", "none", "flip"], ["--crop-scale", "0"]):
+        out = tmp_path / "refused"
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--out", str(out), *flags])
+        assert e.value.code == 2 and not out.exists()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) <= 2 and ("--augment" in err[-1] or "--crop-scale" in err[-1])
+
+
 def test_analyses_add_their_sections_to_one_report(tiny_run, tmp_path, capsys):
     """gallery then perclass into one --out: report.md and results.json hold both sections
     (each used to overwrite the other's)."""

@@ -18,10 +18,13 @@ is its mean unique/M over the last quarter of its logged rows that have one (its
 ``unique_per_m_last``, the analysis's "last" window);
 active − random is paired by seed (same seed: same initial weights), with a 95% t-interval
 over the seeds. Honest numbers, whatever they show: when the interval holds 0 the demo says
-its budget cannot show a difference. Pretraining sees every clip without labels; the probe is
-fit on the train split and scored on the test split.
+its budget cannot show a difference, and why (``why_not``: what its own runs learned, and what
+the walk from memory to files measured). Pretraining sees every clip without labels; the probe
+is fit on the train split and scored on the test split. The files are trained with the paper's
+augmentation unless ``--augment`` / ``--crop-scale`` say otherwise; the setting is printed.
 
     python -m cmacc.apps.demo --out runs/demo [--steps 500] [--seeds 3] [--data toy]
+        [--augment crop flip gray jitter | none] [--crop-scale 0.3]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from cmacc.metrics import expected_unique, format_interval, mean_ci
 from cmacc.model import CMACC
 from cmacc.runlog import plot_metrics
+from data_dali.augment import AUGMENTS, SCALE
 from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
 from data_dali.synthetic import class_counts
 
@@ -78,6 +82,51 @@ def verdict(diffs: list[float]) -> str:
                    "and random (more steps or seeds narrow it)")
 
 
+AUGMENT_LABELS = {"crop": "random resized crop", "flip": "horizontal flip",
+                  "gray": "grayscale", "jitter": "random clip start"}
+
+
+def augmentation_line(data: str, augment: tuple, crop_scale: float) -> str:
+    """The training augmentation the runs use, in words, and whether it is the paper's."""
+    if data == "toy":
+        return "augmentation: none (the in-memory clips are not augmented)"
+    if not augment:
+        return ("augmentation: none (centre crop, no flip, no grayscale, the clip's start; the "
+                "paper's is all four: --augment crop flip gray jitter)")
+    words = [f"{AUGMENT_LABELS[a]} (area {crop_scale:g}–1)" if a == "crop" else AUGMENT_LABELS[a]
+             for a in augment]
+    paper = set(augment) == set(AUGMENTS) and crop_scale == SCALE[0]
+    return "augmentation: " + ", ".join(words) + (
+        " (the paper's)" if paper else f" (the paper's: all four, crop area {SCALE[0]:g}–1)")
+
+
+def why_not(diffs: list[float], acc_last: list[float], data: str, augment: tuple,
+            crop_scale: float) -> list[str]:
+    """Why a demo whose interval does not show active above random could not: the lines it
+    prints under its verdict, from its own runs (the pretext accuracy they reached, the spread
+    of the seeds) and the walk from memory to files (docs/FIDELITY.md §5); [] when the
+    interval excludes 0 upwards (the mechanism showed)."""
+    mean, half = mean_ci(diffs)
+    if len(diffs) > 1 and mean - half > 0:
+        return []
+    lines = ["why this run cannot show it:",
+             "- the active sampler spreads its picks over what the key encoders have learned; these "
+             f"runs' pretext accuracy in the last quarter is {min(acc_last):.3f}–{max(acc_last):.3f}"]
+    if data == "files" and "crop" in augment and crop_scale < 0.5:
+        lines.append(
+            "- through the files, the training augmentation holds the encoders back, the random "
+            f"resized crop above all: an area of {crop_scale:g} of a 64-pixel frame keeps little of a "
+            "grating whose class is its orientation and frequency (measured one difference at a "
+            "time: docs/FIDELITY.md §5, bench/filepath_ablation.py)")
+    if len(diffs) > 1:
+        lines.append(f"- the seeds disagree (per seed: {', '.join(f'{d:+.3f}' for d in diffs)}): "
+                     f"{len(diffs)} seeds leave an interval of ±{half:.3f}")
+    lines.append("- where it shows: --data toy (the same clips in memory, not augmented)"
+                 + ("; --augment none --seeds 5 (the files without augmentation: "
+                    "docs/FIDELITY.md §5 has what it gives)" if data == "files" else ""))
+    return lines
+
+
 def run_dir(out: Path, name: str, seed: int) -> Path:
     """OUT/xmoco, OUT/cmacc for seed 0 (what the README's export command reads); OUT/<name>_seed<k>."""
     return out / (name if seed == 0 else f"{name}_seed{seed}")
@@ -95,14 +144,33 @@ def main(argv=None):
                         "active - random is paired by seed, with a 95%% interval over them")
     p.add_argument("--data", choices=("files", "toy"), default="files",
                    help="files: synthetic MP4s through prepare + loaders (default); toy: in-memory clips")
+    p.add_argument("--augment", nargs="+", choices=AUGMENTS + ("none",), default=None,
+                   help="training augmentations of the files (default all four: the paper's; none: "
+                        "centre crop, no flip, no grayscale, the clip's start)")
+    p.add_argument("--crop-scale", type=float, default=None,
+                   help=f"smallest random-crop area, as a fraction of the frame (default {SCALE[0]:g}, "
+                        "the paper's)")
     args = p.parse_args(argv)
+    if args.data == "toy" and (args.augment is not None or args.crop_scale is not None):
+        p.error("--augment and --crop-scale apply to the files (--data files); the in-memory "
+                "clips (--data toy) are not augmented")
+    augment = AUGMENTS if args.augment is None else tuple(a for a in args.augment if a != "none")
+    if args.augment and "none" in args.augment and len(args.augment) > 1:
+        p.error("--augment none cannot be combined with other augmentations")
+    crop_scale = SCALE[0] if args.crop_scale is None else args.crop_scale
+    if not 0 < crop_scale <= 1:
+        p.error(f"--crop-scale must be in (0, 1], got {crop_scale:g}")
     setup_logging()
     out = output_folder(args.out, "--out")
+    setting = augmentation_line(args.data, augment, crop_scale)
+    print(setting, flush=True)
     data = prepare_demo_data(out) if args.data == "files" else "synthetic"
     n_clips = DEMO["classes"] * DEMO["per_class"]
     extra = {}
     if args.data == "toy":  # the same clip counts, rendered in memory
         extra = dict(data=dict(clips=n_clips, **{k: v for k, v in DEMO.items() if k != "per_class"}))
+    elif args.augment is not None or args.crop_scale is not None:  # the default: the config's own
+        extra = dict(data=dict(augment=augment, crop_scale=crop_scale))
     methods = {"XMoCo (random)": ("random", "xmoco"), "CM-ACC (active)": ("active", "cmacc")}
     runs = {(label, k): (sampler, run_dir(out, name, k), {**extra, "model": {"seed": k}})
             for label, (sampler, name) in methods.items() for k in range(args.seeds)}
@@ -135,6 +203,10 @@ def main(argv=None):
     diff = [summaries[al, k]["unique_per_m_last"] - summaries[rl, k]["unique_per_m_last"]
             for k in range(args.seeds)]
     print("active − random, unique/M over the last quarter of training: " + verdict(diff))
+    print(setting)
+    for line in why_not(diff, [s["acc_last"] for s in summaries.values()], args.data, augment,
+                        crop_scale):
+        print(line)
     print(f"\ncurves: {png}\nruns: " + ", ".join(str(d) for _, d, _ in runs.values())
           + " (re-running resumes/finishes them)")
     return 0
