@@ -327,7 +327,7 @@ def test_nothing_found_says_the_layouts_and_the_help_names_the_command(tmp_path,
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
     assert e.value.code == 2 and len(err) == 1
     assert ("expected SRC/<class name>/<files> (labelled), video files at the top of SRC "
-            "(unlabeled), or --layout list/ucf101/hmdb51/esc50; for sounds, add --audio-only"
+            "(unlabeled), or --layout list/ucf101/hmdb51/kinetics/esc50; for sounds, add --audio-only"
             ) in err[0]
     monkeypatch.setattr(sys, "argv", ["/venv/bin/cmacc-prepare", "--help"])
     with pytest.raises(SystemExit):

@@ -50,7 +50,7 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
         exts = ", ".join(sorted(AUDIO_EXT if audio_only else VIDEO_EXT))
         raise PrepareError(f"{src}: no {kind} files found ({exts}); expected SRC/<class "
                            f"name>/<files> (labelled), {kind} files at the top of SRC (unlabeled), "
-                           "or --layout list/ucf101/hmdb51/esc50"
+                           "or --layout list/ucf101/hmdb51/kinetics/esc50"
                            + ("" if audio_only else "; for sounds, add --audio-only"))
     output_folder(out, "OUT")
     with _writing(out, "starting"):
