@@ -51,7 +51,8 @@ def env_info(device: str) -> dict:
         name = torch.cuda.get_device_name()
     else:
         gpu = "no GPU" if not torch.cuda.is_available() else "GPU unused"
-        name = f"CPU ({os.cpu_count()} cores, {platform.machine()}, {gpu})"
+        isa = torch.backends.cpu.get_cpu_capability()  # the ISA torch's kernels dispatch to
+        name = f"CPU ({os.cpu_count()} cores, {platform.machine()}, {isa}, {gpu})"
     return dict(device=name, torch=torch.__version__, triton=triton_version,
                 date=datetime.date.today().isoformat(), commit=git_commit())
 

@@ -311,5 +311,7 @@ def machine() -> dict:
                 break
     except OSError:
         pass
+    # the vector ISA torch's CPU kernels dispatch to (AVX2, AVX512, ...): floating-point
+    # results, and a run's per-seed figures with them, can differ between two of these
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "isa": torch.backends.cpu.get_cpu_capability()}
