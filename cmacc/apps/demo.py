@@ -119,7 +119,7 @@ def why_not(diffs: list[float], acc_last: list[float], data: str, augment: tuple
             "grating whose class is its orientation and frequency (measured one difference at a "
             "time: docs/FIDELITY.md §5, bench/filepath_ablation.py)")
     if len(diffs) > 1:
-        lines.append(f"- the seeds disagree (per seed: {', '.join(f'{d:+.3f}' for d in diffs)}): "
+        lines.append(f"- the seeds vary (per seed: {', '.join(f'{d:+.3f}' for d in diffs)}): "
                      f"{len(diffs)} seeds leave an interval of ±{half:.3f}")
     lines.append("- where it shows: --data toy (the same clips in memory, not augmented)"
                  + ("; --augment none --seeds 5 (the files without augmentation: "
