@@ -200,6 +200,9 @@ class DataConfig:
     def __post_init__(self):
         _choice("loader", self.loader, LOADERS)
         _positive(self, "frames", "size", "clips", "classes")
+        if "none" in self.augment and len(self.augment) > 1:  # as the demo refuses it
+            raise ValueError(f"augment none cannot be combined with other augmentations, got "
+                             f"{' '.join(self.augment)}: give none alone, or the ones to run")
         self.augment = tuple(a for a in self.augment if a != "none")  # (a JSON config's list)
         bad = [a for a in self.augment if a not in AUGMENTS]
         if bad:

@@ -195,6 +195,17 @@ def test_crop_scale_bounds_the_crop_area():
         Augment(("blur",))
 
 
+def test_augment_none_alone_or_not_at_all():
+    """The trainer's config reads ``--augment none`` as no augmentation, refuses it beside
+    others (contradictory: the demo refuses it too), and its stored form rebuilds."""
+    from cmacc.config import DataConfig
+    assert DataConfig(augment=("none",)).augment == ()
+    kept = DataConfig(augment=["flip", "crop"])
+    assert DataConfig(augment=kept.augment).augment == ("flip", "crop")
+    with pytest.raises(ValueError, match="none cannot be combined"):
+        DataConfig(augment=("none", "flip"))
+
+
 def test_a_loader_without_augmentation_gives_the_test_clips(clips):
     m = Manifest(clips)
     kw = dict(batch_size=2, clip_frames=T, crop=32, num_workers=0, seed=11, backend="reference")
