@@ -208,7 +208,7 @@ def summarise(out, method: str, **extra) -> dict:
                    coverage_last=mean("coverage", "last"),
                    clips_per_s=mean("clips_per_s", "last"),
                    data_wait_share=mean("data_wait", "all"),  # of the wall time, whole run
-                   out=str(out), **extra)
+                   out=str(out.resolve()), **extra)  # absolute: read from anywhere
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     try:
         plot_metrics({method: str(path)}, out / "metrics.png")

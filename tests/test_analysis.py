@@ -117,6 +117,19 @@ def test_the_demo_diversity_figure_is_the_mean_of_the_last_quarter(tmp_path):
     assert math.isnan(summarise(tmp_path, "CM-ACC")["unique_per_m_last"])
 
 
+def test_a_summary_names_its_run_folder_absolutely(tmp_path, monkeypatch):
+    """summary.json's ``out`` is the run folder's absolute path, also when the run was given a
+    relative --out (a summary read from another folder still finds its run)."""
+    from cmacc.runlog import summarise
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.csv").write_text("step,loss\n10,1\n")
+    monkeypatch.chdir(tmp_path)
+    summarise("run", "CM-ACC")
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert written["out"] == str(tmp_path.resolve() / "run")
+
+
 @pytest.mark.parametrize("diffs, says", [
     ([0.10, 0.12, 0.08], "excludes 0: active enqueues more varied"),
     ([-0.10, -0.12, -0.08], "excludes 0: active enqueues less varied"),
