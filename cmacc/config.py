@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 import kernels
-from data_dali.augment import AUGMENTS, SCALE, Augment
+from data_dali.augment import AUGMENTS, SCALE, Augment, augment_names
 from data_dali.classdist import zipf_exponent
 
 from .encoders import VIDEO_ARCHS, backbone_features
@@ -200,10 +200,7 @@ class DataConfig:
     def __post_init__(self):
         _choice("loader", self.loader, LOADERS)
         _positive(self, "frames", "size", "clips", "classes")
-        if "none" in self.augment and len(self.augment) > 1:  # as the demo refuses it
-            raise ValueError(f"augment none cannot be combined with other augmentations, got "
-                             f"{' '.join(self.augment)}: give none alone, or the ones to run")
-        self.augment = tuple(a for a in self.augment if a != "none")  # (a JSON config's list)
+        self.augment = augment_names(self.augment)  # (a JSON config's list, too)
         bad = [a for a in self.augment if a not in AUGMENTS]
         if bad:
             raise ValueError(f"augment {bad} not among {AUGMENTS} (or none)")

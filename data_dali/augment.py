@@ -42,6 +42,16 @@ _MASK = (1 << 64) - 1
 AUGMENTS = ("crop", "flip", "gray", "jitter")  # random resized crop, flip, grayscale, random start
 
 
+def augment_names(given) -> tuple:
+    """``--augment``'s words as the augmentations that run: ``none`` alone is none of them, and
+    beside another is refused (contradictory); the names are checked by ``Augment``."""
+    given = tuple(given)
+    if "none" in given and len(given) > 1:
+        raise ValueError(f"augment none cannot be combined with other augmentations, got "
+                         f"{' '.join(given)}: give none alone, or the ones to run")
+    return tuple(a for a in given if a != "none")
+
+
 @dataclass(frozen=True)
 class Augment:
     """Which training augmentations run, and the crop's area range (default: all, the paper's

@@ -37,7 +37,7 @@ import torch
 from cmacc.metrics import expected_unique, format_interval, mean_ci
 from cmacc.model import CMACC
 from cmacc.runlog import plot_metrics
-from data_dali.augment import AUGMENTS, SCALE
+from data_dali.augment import AUGMENTS, SCALE, augment_names
 from data_dali.cli import ArgumentParser, command, output_folder, setup_logging
 from data_dali.synthetic import class_counts
 
@@ -154,9 +154,10 @@ def main(argv=None):
     if args.data == "toy" and (args.augment is not None or args.crop_scale is not None):
         p.error("--augment and --crop-scale apply to the files (--data files); the in-memory "
                 "clips (--data toy) are not augmented")
-    augment = AUGMENTS if args.augment is None else tuple(a for a in args.augment if a != "none")
-    if args.augment and "none" in args.augment and len(args.augment) > 1:
-        p.error("--augment none cannot be combined with other augmentations")
+    try:
+        augment = AUGMENTS if args.augment is None else augment_names(args.augment)
+    except ValueError as e:
+        p.error(f"--{e}")
     crop_scale = SCALE[0] if args.crop_scale is None else args.crop_scale
     if not 0 < crop_scale <= 1:
         p.error(f"--crop-scale must be in (0, 1], got {crop_scale:g}")
