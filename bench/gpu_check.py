@@ -152,8 +152,14 @@ def dali_throughput(args) -> str:
     from bench.bench_pipeline import clips_per_second, make_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = make_manifest(Path(tmp), 64)
-        out = []
+        if args.dali_manifest:  # prepared clips (your own, or ones made where PyAV is installed)
+            manifest = str(Path(args.dali_manifest).resolve())
+            if not Path(manifest).is_file():
+                raise PartFailed(f"--dali-manifest {args.dali_manifest}: no such file; give the "
+                                 "manifest.csv that `cmacc-prepare` wrote")
+        else:
+            manifest = make_manifest(Path(tmp), 64)
+        out = [f"clips: {args.dali_manifest or '64 synthetic clips, prepared here'}"]
         for views in (1, 2):
             cps, backend, builds = clips_per_second(manifest, "dali", "cuda", batch=8, workers=4,
                                                     frames=16, crop=112, views=views, prefetch=2,
@@ -328,6 +334,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="three settings per size instead of eighteen")
     p.add_argument("--results", default=str(ROOT / "bench" / "RESULTS.md"))
+    p.add_argument("--dali-manifest", metavar="CSV",
+                   help="dali part: time these prepared clips instead of 64 synthetic ones made "
+                        "here (making them needs PyAV and librosa)")
     p.add_argument("--part", nargs="+", choices=tuple(PARTS), help="run only these parts")
     p.add_argument("--one", choices=tuple(PARTS), help=argparse.SUPPRESS)  # a part's process
     args = p.parse_args(argv)
@@ -341,6 +350,7 @@ def main(argv=None) -> int:
         return run_one(args.one, args)
     common = (["--sizes", *map(str, args.sizes)] if args.sizes != list(SIZES) else [])
     common += ["--quick"] if args.quick else []
+    common += ["--dali-manifest", args.dali_manifest] if args.dali_manifest else []
     parts = [Part(name, PARTS[name][0], [sys.executable, str(Path(__file__).resolve()), "--one",
                                          name, *common],
                   f"python bench/gpu_check.py --part {name} {' '.join(common)}".strip())
