@@ -1,12 +1,14 @@
 """bench/gpu_check.py off a GPU: it refuses with the fix named (exit 2), and its RESULTS.md
 section renders every measured and failed row (the GPU figures themselves are taken on a GPU)."""
 
+import argparse
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from bench import gpu_check  # noqa: E402
@@ -58,6 +60,30 @@ def test_sweep_times_eager_and_lazy_selection_and_the_large_batches(monkeypatch)
     head = gpu_check.header(dict(date="2026-11-23", device="NVIDIA H100 80GB HBM3",
                                  commit="abc123"))
     assert "## GPU check, 2026-11-23: NVIDIA H100 80GB HBM3" in head and "abc123" in head
+
+
+def test_the_dali_part_times_prepared_clips_when_given_a_manifest(monkeypatch, tmp_path):
+    """--dali-manifest: those clips are timed (no synthetic ones are made: that needs PyAV and
+    librosa); a manifest that is not there fails the part with the flag named."""
+    pytest.importorskip("nvidia.dali")
+    from bench import bench_pipeline
+
+    timed = []
+    monkeypatch.setattr(bench_pipeline, "make_manifest",
+                        lambda *a: pytest.fail("made synthetic clips despite --dali-manifest"))
+    monkeypatch.setattr(bench_pipeline, "clips_per_second",
+                        lambda manifest, backend, device, **kw: timed.append(
+                            (manifest, backend, device, kw["views"])) or (12.5, "dali", 1))
+    missing = tmp_path / "nope" / "manifest.csv"
+    with pytest.raises(gpu_check.PartFailed, match=r"--dali-manifest .*nope.*no such file"):
+        gpu_check.dali_throughput(argparse.Namespace(dali_manifest=str(missing)))
+    assert timed == []
+    manifest = tmp_path / "manifest.csv"
+    manifest.write_text("id,video\n")
+    text = gpu_check.dali_throughput(argparse.Namespace(dali_manifest=str(manifest)))
+    assert [(m, b, d, v) for m, b, d, v in timed] == [(str(manifest), "dali", "cuda", 1),
+                                                      (str(manifest), "dali", "cuda", 2)]
+    assert str(manifest) in text and "12.5 clips/s (1 view" in text and "(2 views" in text
 
 
 def _part(name, code, timeout=60.0):
