@@ -202,10 +202,13 @@ def versions() -> str:
     return ", ".join(parts)
 
 
-def header(info) -> str:
+def header(info, argv=()) -> str:
+    """The dated section's head; ``argv``: the options the check ran with (none: the whole
+    check, as `make gpu-check` runs it)."""
+    command = "python bench/gpu_check.py " + " ".join(argv) if argv else "make gpu-check"
     return (f"\n## GPU check, {info['date']}: {info['device']}\n\n"
-            f"Commit {info['commit']}; {versions()}. Command: `make gpu-check`. Each part below "
-            "was appended when it ended.\n")
+            f"Commit {info['commit']}; {versions()}. Command: `{command.strip()}`. Each part "
+            "below was appended when it ended.\n")
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -356,7 +359,8 @@ def main(argv=None) -> int:
                   f"python bench/gpu_check.py --part {name} {' '.join(common)}".strip())
              for name in (args.part or PARTS)]
     results = Path(args.results)
-    failed = run_parts(parts, results, header(env_info("cuda")))
+    shown = (["--part", *args.part] if args.part else []) + common  # what was measured
+    failed = run_parts(parts, results, header(env_info("cuda"), shown))
     print(f"appended to {results}")
     return 1 if failed else 0
 

@@ -60,6 +60,9 @@ def test_sweep_times_eager_and_lazy_selection_and_the_large_batches(monkeypatch)
     head = gpu_check.header(dict(date="2026-11-23", device="NVIDIA H100 80GB HBM3",
                                  commit="abc123"))
     assert "## GPU check, 2026-11-23: NVIDIA H100 80GB HBM3" in head and "abc123" in head
+    assert "Command: `make gpu-check`" in head  # the whole check
+    head = gpu_check.header(dict(date="d", device="x", commit="c"), ["--part", "sweep", "--quick"])
+    assert "Command: `python bench/gpu_check.py --part sweep --quick`" in head
 
 
 def test_the_dali_part_times_prepared_clips_when_given_a_manifest(monkeypatch, tmp_path):
@@ -84,6 +87,26 @@ def test_the_dali_part_times_prepared_clips_when_given_a_manifest(monkeypatch, t
     assert [(m, b, d, v) for m, b, d, v in timed] == [(str(manifest), "dali", "cuda", 1),
                                                       (str(manifest), "dali", "cuda", 2)]
     assert str(manifest) in text and "12.5 clips/s (1 view" in text and "(2 views" in text
+
+
+def test_the_section_names_the_options_it_ran_with_and_parts_get_them(monkeypatch, tmp_path):
+    """A partial check says so in its RESULTS.md head (the command that ran, less --results), and
+    each part's process and rerun command carry the options (--dali-manifest among them)."""
+    seen = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main() drops it; restored after the test
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "env_info", lambda dev: dict(date="d", device="x", commit="c"))
+    monkeypatch.setattr(gpu_check, "run_parts",
+                        lambda parts, results, head: seen.append((parts, head)) or [])
+    assert gpu_check.main(["--part", "dali", "train", "--quick", "--dali-manifest", "m.csv",
+                           "--results", str(tmp_path / "R.md")]) == 0
+    (parts, head), = seen
+    assert ("Command: `python bench/gpu_check.py --part dali train --quick --dali-manifest "
+            "m.csv`") in head
+    assert [p.name for p in parts] == ["dali", "train"]
+    for p in parts:
+        assert p.argv[-3:] == ["--quick", "--dali-manifest", "m.csv"]
+        assert p.rerun == f"python bench/gpu_check.py --part {p.name} --quick --dali-manifest m.csv"
 
 
 def _part(name, code, timeout=60.0):
