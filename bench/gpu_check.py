@@ -349,6 +349,8 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)
+    if args.dali_manifest:  # the parts run from the repository root, not from here
+        args.dali_manifest = str(Path(args.dali_manifest).resolve())
     if args.one:
         return run_one(args.one, args)
     common = (["--sizes", *map(str, args.sizes)] if args.sizes != list(SIZES) else [])

@@ -93,6 +93,8 @@ def test_the_section_names_the_options_it_ran_with_and_parts_get_them(monkeypatc
     """A partial check says so in its RESULTS.md head (the command that ran, less --results), and
     each part's process and rerun command carry the options (--dali-manifest among them)."""
     seen = []
+    monkeypatch.chdir(tmp_path)  # a relative --dali-manifest is the caller's, not the parts' cwd
+    m = str(tmp_path / "m.csv")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # main() drops it; restored after the test
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gpu_check, "env_info", lambda dev: dict(date="d", device="x", commit="c"))
@@ -101,12 +103,12 @@ def test_the_section_names_the_options_it_ran_with_and_parts_get_them(monkeypatc
     assert gpu_check.main(["--part", "dali", "train", "--quick", "--dali-manifest", "m.csv",
                            "--results", str(tmp_path / "R.md")]) == 0
     (parts, head), = seen
-    assert ("Command: `python bench/gpu_check.py --part dali train --quick --dali-manifest "
-            "m.csv`") in head
+    assert (f"Command: `python bench/gpu_check.py --part dali train --quick --dali-manifest "
+            f"{m}`") in head
     assert [p.name for p in parts] == ["dali", "train"]
     for p in parts:
-        assert p.argv[-3:] == ["--quick", "--dali-manifest", "m.csv"]
-        assert p.rerun == f"python bench/gpu_check.py --part {p.name} --quick --dali-manifest m.csv"
+        assert p.argv[-3:] == ["--quick", "--dali-manifest", m]
+        assert p.rerun == f"python bench/gpu_check.py --part {p.name} --quick --dali-manifest {m}"
 
 
 def _part(name, code, timeout=60.0):
