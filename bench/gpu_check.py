@@ -152,8 +152,8 @@ def dali_throughput(args) -> str:
     from bench.bench_pipeline import clips_per_second, make_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
-        if args.dali_manifest:  # prepared clips (your own, or ones made where PyAV is installed)
-            manifest = str(Path(args.dali_manifest).resolve())
+        if args.dali_manifest:  # prepared clips (your own, or ones made where PyAV is installed);
+            manifest = args.dali_manifest  # main() made it absolute
             if not Path(manifest).is_file():
                 raise PartFailed(f"--dali-manifest {args.dali_manifest}: no such file; give the "
                                  "manifest.csv that `cmacc-prepare` wrote")
