@@ -15,8 +15,10 @@ labels stay; a new name gets the next free label).
 
 Every output is an ordinary manifest (docs/DATA.md) written atomically; its media paths are
 rewritten relative to its own folder, which must hold every clip (a manifest's paths stay
-inside its folder): for a merge, a common parent of the datasets. A manifest cut by hand
-(``shuf | head``, pandas) loads as well, as long as its ids stay unique.
+inside its folder): for a merge, a common parent of the datasets. An ``--out`` that is an
+input (the same file, however named: a link, another spelling) is refused: no input is ever
+replaced. A manifest cut by hand (``shuf | head``, pandas) loads as well, as long as its ids
+stay unique.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ def write_manifest(rows: list[dict], out, sources: list[Manifest], flag: str = "
     out = Path(out)
     if out.is_dir():
         raise UserError(f"{flag} {out}: is a folder; pass a file name, e.g. {out / 'subset.csv'}")
+    check_not_an_input(out, sources, flag)
     root = out.parent.resolve()
     if not root.is_dir():
         raise UserError(f"{flag} {out}: folder {root} does not exist; pass a file in a dataset folder")
@@ -202,6 +205,26 @@ def write_manifest(rows: list[dict], out, sources: list[Manifest], flag: str = "
                             for k in MEDIA if r[k]}})
     atomic_write_text(out, buf.getvalue())
     return out
+
+
+def check_not_an_input(out, sources: list[Manifest], flag: str = "--out") -> None:
+    """A UserError if ``out`` is one of the ``sources``' manifests: writing it would replace
+    the input with what was read from it (``subset M --out M``)."""
+    for m in sources:
+        if _same_file(Path(out), m.file):
+            raise UserError(f"{flag} {out}: is the input manifest {m.file}, which writing "
+                            f"would replace; choose another {flag} (a new file name)")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once resolved (``..``, symbolic
+    links), or, where both exist, the same file on disk (a hard link, a case-insensitive disk)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): not the same file
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -235,10 +258,12 @@ def main(argv=None):
         return 0
     if args.cmd == "subset":
         sources = [open_manifest(args.manifest)]
+        check_not_an_input(args.out, sources)  # before the work: its errors would hide this one
         rows = subset(sources[0], classes=args.classes, drop_classes=args.drop_classes,
                       split=args.split, fraction=args.fraction, seed=args.seed)
     else:
         sources = [open_manifest(d) for d in args.datasets]
+        check_not_an_input(args.out, sources)
         rows = merge(sources)
     out = write_manifest(rows, args.out, sources)
     print(f"{out}: {len(rows)} clips")

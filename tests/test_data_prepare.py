@@ -413,3 +413,70 @@ def test_a_note_on_every_clip_of_one_class_is_summarised_per_class(tmp_path):
     said = [w for w in s["warnings"] if "every clip of class" in w]
     assert said == ["every clip of class 'quiet' is noted 'silent audio': a probe could tell the "
                     "class by that alone; check its sources"]
+
+
+def _snapshot(folder):
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _refused(argv, capsys, *says):
+    with pytest.raises(SystemExit) as e:
+        prep.main(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert e.value.code == 2 and len(err) == 1, err
+    for s in says:
+        assert s in err[0], err[0]
+    return err[0]
+
+
+def test_an_out_prepared_from_another_source_is_refused_and_kept(tmp_path, capsys):
+    """`cmacc-prepare OTHER data/phone` into a folder prepared from another SRC replaced its
+    manifest (7 clips -> 4): refused in one line naming both sources, nothing in OUT changed;
+    the same SRC again (also through a link) continues as before; --new-src takes the other."""
+    a, b, out = tmp_path / "phone_a", tmp_path / "phone_b", tmp_path / "data" / "phone"
+    for n in ("x", "y", "z"):
+        _tiny(a / "c" / f"{n}.mp4")
+    for n in ("x", "w"):  # a file of the same name too: names say nothing about the source
+        _tone_clip(b / "c" / f"{n}.mp4", 500)
+    flags = ["--min-seconds", "0.5", "--workers", "1"]
+    assert prep.main([str(a), str(out)] + flags) == 0
+    before = _snapshot(out)
+    assert len(_csv(out / "manifest.csv")) == 3
+    _refused([str(b), str(out)] + flags, capsys, f"OUT {out} holds the dataset prepared from {a}",
+             f"not from SRC {b}", "into another OUT", "--new-src")
+    assert _snapshot(out) == before
+    (tmp_path / "link").symlink_to(a, target_is_directory=True)
+    for same in (a, tmp_path / "link"):  # a re-run: nothing finished is redone or lost
+        assert prep.main([str(same), str(out)] + flags) == 0
+        assert _snapshot(out) == before
+    # said on purpose: OUT follows SRC b from now on (its clips of the same path are redone)
+    assert prep.main([str(b), str(out), "--new-src"] + flags) == 0
+    assert sorted(r["source"] for r in _csv(out / "manifest.csv")) == ["c/w.mp4", "c/x.mp4"]
+    assert prep.main([str(b), str(out)] + flags) == 0
+    _refused([str(a), str(out)] + flags, capsys, f"prepared from {b}", f"not from SRC {a}")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        prep.main(["--help"])
+    assert "--new-src" in capsys.readouterr().out
+
+
+def test_an_out_prepared_before_sources_were_recorded_is_told_apart_by_its_records(tmp_path, capsys):
+    """A folder prepared by a data_dali that did not record SRC: a source whose files match
+    the records (path, size, time) is the same; one where no clip of the manifest does is
+    another, refused, naming a clip of the manifest."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "out"
+    for n in ("x", "y"):
+        _tiny(a / "c" / f"{n}.mp4")
+    _tone_clip(b / "c" / "x.mp4", 500)
+    flags = ["--min-seconds", "0.5", "--workers", "1"]
+    assert prep.main([str(a), str(out)] + flags) == 0
+    for p in set(out.iterdir()) - {out / "clips", out / "records", out / "manifest.csv",
+                                   out / "rejects.csv"}:
+        p.unlink()  # what an older data_dali left: no record of SRC
+    before = _snapshot(out)
+    _refused([str(b), str(out)] + flags, capsys, f"OUT {out} holds a dataset prepared from another "
+             "source", "(e.g. c/x.mp4)", f"SRC {b}", "--new-src")
+    assert _snapshot(out) == before
+    assert prep.main([str(a), str(out)] + flags) == 0  # the same: goes on, and is recorded now
+    assert {p: v for p, v in _snapshot(out).items() if p in before} == before
+    _refused([str(b), str(out)] + flags, capsys, f"prepared from {a}")

@@ -4,6 +4,7 @@ data_dali.manifest_tools stats|subset|merge`` against hand-built manifests and h
 
 import csv
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -93,6 +94,36 @@ def test_merge_refuses_one_dataset_twice_and_an_out_outside_the_datasets(tmp_pat
     _fails(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "a" / "sub" / "x.csv")],
            capsys, "lie outside its folder", str(tmp_path / "x.csv"))
     assert not (tmp_path / "a" / "sub" / "x.csv").exists()
+
+
+def test_an_out_that_is_an_input_is_refused_and_the_input_kept(tmp_path, capsys):
+    """`subset M --out M` would replace the manifest it reads (64 clips -> 49): every command
+    that writes an --out refuses an --out that is one of its inputs -- the same file, however
+    named (the prepared folder, another spelling, a symbolic or hard link) -- and writes nothing."""
+    m = _hand_built(tmp_path / "d", HAND, HAND_EXTRA)
+    b = _hand_built(tmp_path / "b", [("0", "cat")])
+    (tmp_path / "d" / "sym.csv").symlink_to(m)
+    os.link(m, tmp_path / "d" / "hard.csv")
+    (tmp_path / "d" / "sub").mkdir()
+    before = m.read_bytes()
+    for out in (m, tmp_path / "d" / "sub" / ".." / "manifest.csv", tmp_path / "d" / "sym.csv",
+                tmp_path / "d" / "hard.csv"):
+        for given in (m, m.parent):  # the manifest, or the prepared folder holding it
+            _fails(["subset", str(given), "--classes", "cat", "--out", str(out)], capsys,
+                   f"--out {out}: is the input manifest {m}", "choose another --out")
+            assert m.read_bytes() == before and (tmp_path / "d" / "hard.csv").read_bytes() == before
+    assert (tmp_path / "d" / "sym.csv").is_symlink()
+    _fails(["merge", str(b), str(m), "--out", str(m)], capsys,
+           f"--out {m}: is the input manifest {m}", "choose another --out")
+    _fails(["merge", str(b.parent), str(m.parent), "--out", str(b)], capsys,
+           f"--out {b}: is the input manifest {b}", "choose another --out")
+    half = tmp_path / "d" / "half.csv"  # said before merge's own checks (the same clips twice)
+    assert mt.main(["subset", str(m), "--classes", "cat", "--out", str(half)]) == 0
+    half_before = half.read_bytes()
+    _fails(["merge", str(half), str(m.parent), "--out", str(half)], capsys,
+           f"--out {half}: is the input manifest {half}", "choose another --out")
+    assert m.read_bytes() == before and len(_rows(b)) == 1 and half.read_bytes() == half_before
+    assert not [p for p in tmp_path.rglob(".*.tmp*")]  # nothing half-written either
 
 
 def _hand_built(folder, labels, extra=None):

@@ -16,14 +16,17 @@ precompute the 80-band log-mel, and write the manifest (the only thing loaders r
 Outputs: OUT/clips/<path in SRC>.webm|.flac|.mel.npy (prepared media, named after the whole
 source path with its extension, so no two sources share an output), OUT/manifest.csv,
 OUT/rejects.csv (file, reason), OUT/records/ (one small JSON per source file: what was done,
-for resuming) and a summary of what was kept, noted and rejected, by reason. Bad inputs never
-stop the run and are never dropped silently: each is either handled (and noted in the
-manifest's ``notes`` column) or written to rejects.csv. A mistake in the command (paths, flags,
-list and split files) or an output disk that is full or cannot be written stops it with one
-line (exit 2; ``--debug`` shows the traceback), before the work where it can be known. Every
-output is written atomically (data_dali/fileio.py); a re-run, also after a crash or
-``kill -9``, skips files whose source and settings are unchanged (a no-op when nothing changed;
-``--retry-rejects`` tries rejected files again).
+for resuming), OUT/src.json (the SRC that OUT follows) and a summary of what was kept, noted
+and rejected, by reason. Bad inputs never stop the run and are never dropped silently: each is
+either handled (and noted in the manifest's ``notes`` column) or written to rejects.csv. A
+mistake in the command (paths, flags, list and split files) or an output disk that is full or
+cannot be written stops it with one line (exit 2; ``--debug`` shows the traceback), before the
+work where it can be known. Every output is written atomically (data_dali/fileio.py); a
+re-run, also after a crash or ``kill -9``, skips files whose source and settings are unchanged
+(a no-op when nothing changed; ``--retry-rejects`` tries rejected files again). An OUT
+prepared from another SRC is refused (its manifest would be replaced by this source's):
+prepare into another OUT, or pass ``--new-src`` when SRC is that data moved or should replace
+it.
 
 The package, one job per file: ``config`` (settings, errors), ``sources`` (layouts and
 splits), ``transcode`` (one file), ``outputs`` (names under OUT, disk space), ``records``

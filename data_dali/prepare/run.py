@@ -20,21 +20,25 @@ from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
 from ..manifest import UNLABELED
 from .config import AUDIO_EXT, VIDEO_EXT, PrepareConfig, PrepareError
-from .outputs import _assign_outputs, _check_space, _remove_unfinished, _writing, SPACE_FACTOR
+from .outputs import (_assign_outputs, _check_space, _record_path, _remove_unfinished, _writing,
+                      SPACE_FACTOR)
 from .records import _job
 from .sources import LAYOUTS, scan
 
 log = logging.getLogger("data_dali.prepare")
 
 FIELDS = _MANIFEST_FIELDS + ["notes"]
+SRC_RECORD = "src.json"  # OUT/src.json: {"src": the absolute SRC that OUT was prepared from}
 
 
 def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, workers=None,
-            retry_rejects=False, progress=True, audio_only=None, space_check=True) -> dict:
+            retry_rejects=False, progress=True, audio_only=None, space_check=True,
+            new_src=False) -> dict:
     """Prepare SRC into OUT; returns the summary (also what the CLI prints). A PrepareError
-    (a UserError) for a mistake in the arguments or an output disk that is full or cannot be
-    written; a run stopped early (that, Ctrl-C) leaves no partial output and the manifest of
-    the last complete run, and the same call again finishes the job."""
+    (a UserError) for a mistake in the arguments, an OUT prepared from another SRC (unless
+    ``new_src``) or an output disk that is full or cannot be written; a run stopped early
+    (that, Ctrl-C) leaves no partial output and the manifest of the last complete run, and the
+    same call again finishes the job."""
     src, out = Path(src).resolve(), Path(out).resolve()
     cfg = cfg or PrepareConfig()
     if out == src or any(d in src.parents or d == src for d in (out / "clips", out / "records")):
@@ -52,6 +56,8 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
                            f"name>/<files> (labelled), {kind} files at the top of SRC (unlabeled), "
                            "or --layout list/ucf101/hmdb51/kinetics/esc50"
                            + ("" if audio_only else "; for sounds, add --audio-only"))
+    if not new_src:
+        _check_same_src(src, out)
     output_folder(out, "OUT")
     with _writing(out, "starting"):
         (out / "records").mkdir(exist_ok=True)
@@ -62,6 +68,8 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
     _assign_outputs(items, src, out)
     if space_check:
         _check_space(src, out, items)
+    with _writing(out, f"writing {SRC_RECORD}"):
+        _record_src(src, out)
     jobs = [(src, out, it, cfg, audio_only, retry_rejects) for it in items if it.get("out")]
     results = [(it, {"reject": it["reject"]}, False) for it in items if not it.get("out")]
     try:
@@ -71,6 +79,61 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
         raise
     with _writing(out, "writing manifest.csv"):
         return _finish(out, items, results, warnings)
+
+
+def _check_same_src(src: Path, out: Path) -> None:
+    """OUT goes on only with the SRC it was prepared from: a run from another source would
+    replace its manifest with that source's files (the earlier dataset's clips then in no
+    manifest). OUT/src.json names the SRC; for a folder prepared before it was written, a clip
+    of its manifest whose source is unchanged in SRC (the path, size and time its record holds)
+    tells that SRC is the same."""
+    hint = ("; prepare SRC into another OUT (nothing in OUT is changed), or pass --new-src if "
+            "SRC is that data moved or should replace it")
+    try:
+        theirs = Path(json.loads((out / SRC_RECORD).read_text())["src"])
+    except (OSError, ValueError, KeyError, TypeError):
+        theirs = None  # none (a new OUT, an older data_dali) or damaged: look at the manifest
+    if theirs is not None:
+        if theirs != src and not _same_folder(theirs, src):
+            raise PrepareError(f"OUT {out} holds the dataset prepared from {theirs}, not from "
+                               f"SRC {src}" + hint)
+        return
+    try:
+        with open(out / "manifest.csv", newline="", encoding="utf-8-sig") as f:
+            listed = [r.get("source") for r in csv.DictReader(f)]
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return  # no manifest: no earlier dataset to lose
+    listed = [rel for rel in listed if rel]
+    if not listed or any(_unchanged(src, out, rel) for rel in listed):
+        return
+    raise PrepareError(f"OUT {out} holds a dataset prepared from another source: none of the "
+                       f"{len(listed)} clips its manifest.csv lists (e.g. {listed[0]}) is "
+                       f"unchanged in SRC {src}" + hint)
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # the same folder by another path (a bind mount)
+    except OSError:
+        return False
+
+
+def _unchanged(src: Path, out: Path, rel: str) -> bool:
+    """Whether SRC/rel is the file OUT's record of ``rel`` was made from (size and time)."""
+    try:
+        key = json.loads(_record_path(out, rel).read_text())["key"]
+        st = (src / rel).stat()
+        return key["rel"] == rel and key["source"] == [st.st_size, st.st_mtime_ns]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _record_src(src: Path, out: Path) -> None:
+    """OUT/src.json: the SRC that OUT follows (rewritten only when it changes: --new-src)."""
+    data = (json.dumps({"src": str(src)}) + "\n").encode()
+    path = out / SRC_RECORD
+    if not (path.is_file() and path.read_bytes() == data):
+        atomic_write_bytes(path, data)
 
 
 def _run(jobs: list, workers, progress: bool) -> list:
@@ -216,6 +279,11 @@ def main(argv=None):
                    help="do not precompute log-mels (loaders then compute them from the FLAC)")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
     p.add_argument("--retry-rejects", action="store_true", help="try previously rejected files again")
+    p.add_argument("--new-src", action="store_true",
+                   help="OUT was prepared from another SRC and follows this one from now on (the "
+                   "data moved, or replacing that dataset is intended): files unchanged at the "
+                   "same path, size and time are kept, the manifest lists SRC's files only; "
+                   "without it such an OUT is refused")
     p.add_argument("--no-space-check", dest="space_check", action="store_false",
                    help=f"skip the free-space check (OUT must have {SPACE_FACTOR:g} x the size of "
                    "the sources still to prepare)")
@@ -228,7 +296,7 @@ def main(argv=None):
     summary = prepare(args.src, args.out, layout=args.layout, list_file=args.list_file,
                       splits=args.splits, cfg=cfg, workers=args.workers,
                       retry_rejects=args.retry_rejects, audio_only=args.audio_only,
-                      space_check=args.space_check)
+                      space_check=args.space_check, new_src=args.new_src)
     print(json.dumps(summary, indent=2))
     if not summary["kept"]:
         reasons = "; ".join(f"{n} x {r}" for r, n in summary["rejects_by_reason"].items())
