@@ -179,8 +179,9 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
     (``exclude`` [cap] too). On the Triton path this reads the buffer in place from one CUDA graph
     per pool shape (kernels/triton_select.py); without ``n`` the keys are copied into a plan.
     ``precision`` (tl.dot: ieee | tf32x3 | tf32), ``factors`` (fp32 | bf16 storage of the
-    factors) and ``variant`` (steps | persistent | lazy k-means++: a launch per step, one
-    persistent launch, or the lazy race of kernels/lazy_kmeanspp.py, all the same picks) apply
+    factors) and ``variant`` (steps | persistent | lazy | resident k-means++: a launch per
+    step, one persistent launch, the lazy race of kernels/lazy_kmeanspp.py, or one persistent
+    launch holding the factors on chip where the pool fits, else steps; all the same picks) apply
     to the Triton path; the reference computes in fp32 (bf16 factors: rounded as the kernel
     stores them); on CPU tensors its k-means++ is the lazy race for large pools whatever the
     variant (``_seeding``)."""

@@ -70,11 +70,16 @@ def _recording(kernels):
 
 
 def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", precision="ieee",
-                     factors="fp32", variant="steps", sms=132):
-    """The launches of one selection (kernels/triton_select.py's sequence) at these shapes."""
+                     factors="fp32", variant="steps", sms=132, cooperative=None):
+    """The launches of one selection (kernels/triton_select.py's sequence) at these shapes.
+    ``cooperative=False``: the resident variant's per-round twin instead of its one launch."""
     import torch
 
     ge, km = _modules()
+    from . import triton_lazy as lz
+    from . import triton_race as race
+    from . import triton_resident as rs
+
     fdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[factors]
     head = view == "head"
     gram = head and dh > m and m <= ge.GRAM_MAX_M
@@ -91,20 +96,25 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     excl = torch.zeros(n, dtype=torch.uint8)
     n_t, seed_t = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64)
     picks = torch.zeros(k, dtype=torch.int64)
-    cfg = km.seeding_config(n, a, b, variant, sms=sms)
+    if variant == "resident" and rs.resident_config(n, a, b, fdt, sms) is None:
+        variant = "steps"  # as the plan: a pool that does not fit on chip runs the per-step one
+    cfg = km.seeding_config(n, a, b, variant, sms=sms, factors=fdt,
+                            cooperative=cooperative if variant == "resident" else None)
     ps = torch.zeros(cfg["partials"])
     pi = torch.zeros(cfg["partials"], dtype=torch.int32)
     bar = torch.zeros(1, dtype=torch.int32)
     seen, thr = torch.zeros(n + 1, dtype=torch.int32), torch.zeros(1)
+    best = torch.zeros(k, dtype=torch.int64)
     kernels = [ge._grad_embed_kernel, ge._grad_embed_tiled_kernel, km._kmeanspp_step_kernel,
                km._kmeanspp_pick_kernel, km._kmeanspp_persistent_kernel,
-               km._reduce_partials_kernel, km._lazy_bound_kernel, km._lazy_top_kernel,
-               km._lazy_draw_kernel]
+               race._reduce_partials_kernel, lz._lazy_bound_kernel, lz._lazy_top_kernel,
+               lz._lazy_draw_kernel, rs._kmeanspp_resident_kernel,
+               rs._kmeanspp_resident_round_kernel, rs._resident_pick_kernel]
     with _recording(kernels) as calls:
         ge.embed_into(keys, queries, f, alpha, beta, beta_c, sqn, n_t, tau=1.0, view=view,
                       gram=gram, precision=precision)
         km.launch_seeding(alpha, beta, beta if beta_c is None else beta_c, sqn, dmin, excl, n_t,
-                          picks, seed_t, ps, pi, bar, k, cfg, variant, seen, thr)
+                          picks, seed_t, ps, pi, bar, k, cfg, variant, seen, thr, best)
         # cmacc.samplers.grad_norms on the k picks: the per-call, uncompressed embedding
         ge.grad_embed_triton_with_norms(keys[:k], queries, torch.zeros(m, dh), view=view,
                                         precision=precision)
@@ -152,7 +162,8 @@ def _ptxas_info(ptx: str, arch: int) -> str:
 
 def _describe(fn, kwargs, constexprs, args) -> str:
     name = fn.__name__.lstrip("_").replace("_kernel", "")
-    keep = ("HEAD", "GRAM", "FIRST", "PRECISION", "BLOCK_N", "BLOCK_M", "BLOCK_A", "BLOCK_B")
+    keep = ("HEAD", "GRAM", "FIRST", "PRECISION", "BLOCK_N", "BLOCK_M", "BLOCK_A", "BLOCK_B",
+            "ROWS_A", "ROWS_B", "PACK")
     cs = {fn.arg_names[p[0]]: v for p, v in constexprs.items()}
     parts = [f"{k}={cs[k]}" for k in keep if k in cs]
     dts = sorted({str(a.dtype).replace("torch.", "") for a in args if hasattr(a, "dtype")

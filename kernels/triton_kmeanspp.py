@@ -9,7 +9,7 @@ Gram route, kernels/reference.py ``select_factors``; beta_c = beta otherwise):
 State on the device, sized by the pool's CAPACITY (rows >= n, the valid count read from device
 memory, are never drawn): D [cap] fp32 (min squared distance to the chosen centres; -1 marks a
 chosen, excluded, padding or non-finite candidate), picks [k] and two ping-pong buffers of
-per-block partials. Three variants of the k steps:
+per-block partials. Four variants of the k steps:
 
 * ``steps`` (any GPU, the interpreter, the fallback): step t is ONE launch of
   ``_kmeanspp_step_kernel`` over BLOCK_N-row blocks, k + 1 launches per seeding:
@@ -28,19 +28,14 @@ per-block partials. Three variants of the k steps:
   is never run under TRITON_INTERPRET=1 (kernels/triton_select.py picks ``steps`` there).
 * ``lazy`` (any GPU, the interpreter): the lazy exponential race of kernels/lazy_kmeanspp.py,
   the same draws. Steps 0 and 1 are the ``steps`` kernel's (step 1 is the one full pass); then
-  each step t is three launches that read the [cap] D vector but only a few candidates' factors:
-    1. ``_lazy_bound_kernel`` (grid): finish step t-1's draw (picks[t-1] = c, D_c <- -1); each
-       block's largest bound D_stale / (1 - U) (D only decreases and E >= 1 - U, so it bounds
-       the true score from above) -> partials;
-    2. ``_lazy_top_kernel`` (one program): the candidate of the largest bound is brought up to
-       date (its distances to the centres it has not seen: ``seen`` [cap] counts the centres
-       applied to each D), its true score s gives the threshold thr = s (1 - 2^-20);
-    3. ``_lazy_draw_kernel`` (grid): every candidate whose bound reaches thr -- a
-       data-dependent set, ~1-10 a step, usually none in a block -- is brought up to date one
-       by one (a loop whose trip count is the block's count), and each block writes its best
-       true score -> partials, drawn by the next step's launch 1 (or the last pick).
-  A candidate left stale has true score <= bound < thr <= s, so the draw is the eager one's.
-  The distances of a row are the eager kernel's (same chunks and products), so D matches it.
+  each step t is three launches (bound, top, draw) that read the [cap] D vector but only a few
+  candidates' factors: kernels/triton_lazy.py has the kernels and why the draw is the eager one.
+* ``resident`` (issue 48; pools that fit on chip, ``resident_config``): ONE cooperative launch
+  of ``_kmeanspp_resident_kernel``, at most one program per SM, each owning a fixed block of
+  rows whose factors, |g_n|^2 and D stay in registers for all k rounds; the draw is one int64
+  atomic max of (score, -index) keys per program and one grid barrier. Under the interpreter
+  its per-round twin runs instead. kernels/triton_resident.py has the kernels, the fit rule and
+  the math.
 
 The argmax of D_n / E_n with E_n ~ Exp(1) is a draw with probability D_n / sum D (the
 exponential race), so the law is exactly k-means++'s. Every reduction that decides a pick is a
@@ -49,106 +44,35 @@ The kernels are compiled with ``enable_fp_fusion=False``: no multiply-add contra
 element-wise arithmetic rounds as PyTorch's eager ops do. Dot products still sum in a different
 order than the reference's matrix-vector products, so two scores equal to ~1e-7 relative could
 order differently; the tests check index equality on thousands of draws.
+
+This file holds the ``steps`` and ``persistent`` kernels and what the variants share on the
+host (``seeding_config``, the ``launch_seeding`` dispatch, ``kmeanspp_triton``); the device
+pieces every variant shares (the RNG, the partial reductions, the grid barrier) are in
+kernels/triton_race.py.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from . import reference
+from .triton_lazy import _launch_lazy
+from .triton_race import (INTERPRETED, NO_FMA, _best_of_partials, _grid_barrier, _reduce,
+                          _reduced, _uniform, uniform_hash_triton)
+from .triton_resident import (_aligned_words, _launch_resident, _resident_seeding_config,
+                              factor_words, resident_config)
 
 __all__ = ["kmeanspp_triton", "uniform_hash_triton", "launch_seeding", "seeding_config",
-           "INTERPRETED", "VARIANTS"]
+           "resident_config", "factor_words", "INTERPRETED", "VARIANTS"]
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # as Triton saw it at definition
-VARIANTS = ("steps", "persistent", "lazy")
-NO_FMA = dict(enable_fp_fusion=False)  # launch option: no contraction into FMAs (parity)
+VARIANTS = ("steps", "persistent", "lazy", "resident")
 
 
 # ----------------------------------------------------------------------------------------------
-# Counter-based RNG: reference.uniform_hash, reproduced on uint32 (wrapping arithmetic)
+# One block of one step (steps, persistent, the lazy race's first two steps)
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _fmix32(x):
-    # murmur3 finaliser on uint32: the literals are > 2^31, so Triton types them uint32 and
-    # the multiplies wrap mod 2^32, as the reference's uint32 arithmetic
-    x = x ^ (x >> 16)
-    x = x * 0x85EBCA6B
-    x = x ^ (x >> 13)
-    x = x * 0xC2B2AE35
-    x = x ^ (x >> 16)
-    return x
-
-
-@triton.jit
-def _uniform(seed, t, offs_n):
-    # key = fmix(seed32 ^ fmix(t * golden + 1));  h = fmix(fmix(n ^ key) + key)
-    # U = ((h >> 9) + 0.5) * 2^-23  in [2^-24, 1 - 2^-24]: every value exact in fp32, never 1.0
-    tk = tl.cast(t, tl.uint32) * 0x9E3779B9 + 1
-    key = _fmix32(seed ^ _fmix32(tk))
-    h = _fmix32(offs_n.to(tl.uint32) ^ key)
-    h = _fmix32(h + key)
-    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2^-23
-
-
-@triton.jit(do_not_specialize=["t"])
-def _uniform_hash_kernel(u_ptr, seed_ptr, N, t, BLOCK_N: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seed = tl.load(seed_ptr).to(tl.uint32)
-    tl.store(u_ptr + offs_n, _uniform(seed, t, offs_n), mask=offs_n < N)
-
-
-def uniform_hash_triton(seed: int, step: int, n: int, device=None) -> torch.Tensor:
-    """U(seed, step, 0..n-1) [n] fp32 computed by the Triton RNG (for tests: it must equal
-    ``reference.uniform_hash`` bit for bit)."""
-    u = torch.empty(n, device=device, dtype=torch.float32)
-    seed_t = torch.full((1,), reference.seed32(seed), dtype=torch.int64, device=device)
-    block = 1024
-    _uniform_hash_kernel[(triton.cdiv(n, block),)](u, seed_t, n, int(step) & 0xFFFFFFFF,
-                                                   BLOCK_N=block)
-    return u
-
-
-# ----------------------------------------------------------------------------------------------
-# One block of one step (shared by both variants)
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _best_pair(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
-    # the largest of P partial scores, and the smallest index reaching it (each block already
-    # broke its own ties to the left, so this is torch.argmax's first index): (score, index)
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < P
-    score = tl.load(part_score_ptr + offs_p, mask=mask_p, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + offs_p, mask=mask_p, other=0)
-    best = tl.max(score, axis=0)
-    return best, tl.min(tl.where(mask_p & (score == best), idx, 2147483647), axis=0)
-
-
-@triton.jit
-def _best_of_partials(part_score_ptr, part_idx_ptr, P, BLOCK_P: tl.constexpr):
-    # phase 2 of a draw: the index drawn from P partials
-    _, idx = _best_pair(part_score_ptr, part_idx_ptr, P, BLOCK_P)
-    return idx
-
-
-@triton.jit(do_not_specialize=["t"])
-def _reduce_partials_kernel(part_score_ptr, part_idx_ptr, P, R0, t, GROUP: tl.constexpr):
-    # the second level of a large pool's reduction: program g reduces step t's level-1
-    # partials [g GROUP, (g + 1) GROUP) to one level-2 partial at R0 + (t % 2) P2 + g; the next
-    # launch then reads P2 = cdiv(P, GROUP) partials instead of P (at N = 1.2 M and 128 rows a
-    # block, 10 instead of 9,600: a one-level [16384] tile took 255 registers and spilled)
-    g = tl.program_id(0)
-    src = (t % 2) * P + g * GROUP
-    best, idx = _best_pair(part_score_ptr + src, part_idx_ptr + src, P - g * GROUP, GROUP)
-    dst = R0 + (t % 2) * tl.num_programs(0) + g
-    tl.store(part_score_ptr + dst, best)
-    tl.store(part_idx_ptr + dst, idx)
-
-
 @triton.jit
 def _dot_chunk(x_ptr, stride_xn, offs_n64, mask_n, c, x0, X, BLOCK_X: tl.constexpr):
     # sum_j x[n, x0 + j] * xc[c, x0 + j] over one column chunk -> [BLOCK_N] fp32
@@ -258,16 +182,6 @@ def _kmeanspp_pick_kernel(part_score_ptr, part_idx_ptr, picks_ptr, R0, RP, t,
 # Variant "persistent": one cooperative launch, a grid barrier per step (CUDA only)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _grid_barrier(bar_ptr, target):
-    # every program's stores of this step are visible to every program after this returns
-    tl.debug_barrier()  # the program's threads are done writing (bar.sync)
-    cnt = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
-    while cnt < target:
-        cnt = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _kmeanspp_persistent_kernel(
     a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, excl_ptr, n_ptr, picks_ptr, seed_ptr,
     part_score_ptr, part_idx_ptr, bar_ptr,
@@ -311,167 +225,30 @@ def _kmeanspp_persistent_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Variant "lazy": the lazy exponential race (kernels/lazy_kmeanspp.py) on the GPU
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _dot_centres(x_ptr, xc_ptr, stride_xn, stride_xcn, row64, cidx, mask_c, X,
-                 BLOCK_X: tl.constexpr, BLOCK_C: tl.constexpr):
-    # x[row] . xc[c] for BLOCK_C centres c, over column chunks of BLOCK_X -> [BLOCK_C] fp32
-    offs_x = tl.arange(0, BLOCK_X)
-    dot = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for x0 in range(0, X, BLOCK_X):
-        mx = (x0 + offs_x) < X
-        x = tl.load(x_ptr + row64 * stride_xn + x0 + offs_x, mask=mx, other=0.0).to(tl.float32)
-        xc = tl.load(xc_ptr + cidx[:, None] * stride_xcn + (x0 + offs_x)[None, :],
-                     mask=mask_c[:, None] & mx[None, :], other=0.0).to(tl.float32)
-        dot += tl.sum(xc * x[None, :], axis=1)
-    return dot
-
-
-@triton.jit
-def _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, row, t,
-                 A, B, stride_an, stride_bn, stride_bcn,
-                 BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    # D[row] <- min(D[row], d(row, c)) over the centres c = picks[seen[row]], ..., picks[t-1] it
-    # has not seen, BLOCK_C centres at a time (a [BLOCK_C, BLOCK_A] tile of centre rows against
-    # the row); seen[row] <- t. Returns the new D[row]. The dot products are the eager kernel's
-    # (same chunks, same products, one sum per chunk), so D equals the eager D bit for bit.
-    # A row at D <= 0 (zero: it stays zero; -1: chosen / unavailable) needs nothing.
-    row64 = row.to(tl.int64)
-    dmin = tl.load(dmin_ptr + row)
-    sqn = tl.load(sqn_ptr + row)  # |g_row|^2
-    first = tl.where(dmin > 0, tl.load(seen_ptr + row), t)
-    for j0 in range(first, t, BLOCK_C):
-        offs_c = j0 + tl.arange(0, BLOCK_C)
-        mask_c = offs_c < t
-        cidx = tl.load(picks_ptr + offs_c, mask=mask_c, other=0)  # [BLOCK_C] int64 centres
-        dot_a = _dot_centres(a_ptr, a_ptr, stride_an, stride_an, row64, cidx, mask_c, A,
-                             BLOCK_A, BLOCK_C)  # a_row . a_c
-        dot_b = _dot_centres(b_ptr, bc_ptr, stride_bn, stride_bcn, row64, cidx, mask_c, B,
-                             BLOCK_B, BLOCK_C)  # b_row . bc_c
-        sqc = tl.load(sqn_ptr + cidx, mask=mask_c, other=0.0)  # |g_c|^2
-        d = tl.maximum(sqn + sqc - 2.0 * (dot_a * dot_b), 0.0)
-        dmin = tl.minimum(dmin, tl.min(tl.where(mask_c, d, float("inf")), axis=0))
-    tl.store(dmin_ptr + row, dmin)
-    tl.store(seen_ptr + row, t)
-    return dmin
-
-
-@triton.jit
-def _race_score(dmin, seed, t, offs_n):
-    # the eager kernel's race score of up-to-date candidates (D >= 0): D / E, or -E at D == 0
-    e = -tl.log(_uniform(seed, t, offs_n))
-    return tl.where(dmin > 0, tl.math.div_rn(dmin, e), -e)
-
-
-@triton.jit
-def _race_bound(dmin, seed, t, offs_n):
-    # an upper bound of the race score from a stale D (D only decreases, E = -log U >= 1 - U);
-    # -inf for chosen / unavailable rows (D < 0)
-    u = _uniform(seed, t, offs_n)
-    return tl.where(dmin >= 0, tl.math.div_rn(dmin, 1.0 - u), float("-inf"))
-
-
-@triton.jit(do_not_specialize=["t"])
-def _lazy_bound_kernel(dmin_ptr, n_ptr, picks_ptr, seed_ptr, part_score_ptr, part_idx_ptr,
-                       P, R0, RP, t, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr):
-    # lazy step t >= 2, launch 1 of 3 (grid): c = the draw of step t-1 (its partials), picks[t-1]
-    # = c, D_c <- -1; then this block's largest bound D_stale / (1 - U) and its first index ->
-    # partials[t % 2]
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < tl.load(n_ptr)
-    seed = tl.load(seed_ptr).to(tl.uint32)
-    prev = R0 + ((t - 1) % 2) * RP
-    c = _best_of_partials(part_score_ptr + prev, part_idx_ptr + prev, RP, BLOCK_P)
-    tl.store(picks_ptr + t - 1, c.to(tl.int64), mask=pid == 0)
-    dmin = tl.load(dmin_ptr + offs_n, mask=mask_n, other=-1.0)
-    dmin = tl.where(offs_n == c, -1.0, dmin)
-    tl.store(dmin_ptr + offs_n, dmin, mask=mask_n & (offs_n == c))
-    bound = tl.where(mask_n, _race_bound(dmin, seed, t, offs_n), float("-inf"))
-    cur = (t % 2) * P
-    tl.store(part_score_ptr + cur + pid, tl.max(bound, axis=0))
-    best_n = tl.argmax(bound, axis=0, tie_break_left=True) + pid * BLOCK_N
-    tl.store(part_idx_ptr + cur + pid, best_n.to(tl.int32))
-
-
-@triton.jit(do_not_specialize=["t"])
-def _lazy_top_kernel(
-    a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, seed_ptr,
-    part_score_ptr, part_idx_ptr, thr_ptr, R0, RP, t, cap,
-    A, B, stride_an, stride_bn, stride_bcn,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    # launch 2 of 3 (one program): top = the largest bound (launch 1's partials); bring it up to
-    # date; its true score s lower-bounds step t's draw: thr = s less a 2^-20 slack (a logarithm
-    # rounded below 1 - U), and seen[cap] = top
-    cur = R0 + (t % 2) * RP
-    top = _best_of_partials(part_score_ptr + cur, part_idx_ptr + cur, RP, BLOCK_P)
-    seed = tl.load(seed_ptr).to(tl.uint32)
-    dmin = _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, top, t,
-                        A, B, stride_an, stride_bn, stride_bcn, BLOCK_A, BLOCK_B, BLOCK_C)
-    s = _race_score(dmin, seed, t, top)
-    tl.store(thr_ptr, s - tl.abs(s) * 9.5367431640625e-07)  # 2^-20
-    tl.store(seen_ptr + cap, top)
-
-
-@triton.jit(do_not_specialize=["t"])
-def _lazy_draw_kernel(
-    a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, n_ptr, picks_ptr, seed_ptr,
-    part_score_ptr, part_idx_ptr, thr_ptr, P, t, cap,
-    A, B, stride_an, stride_bn, stride_bcn,
-    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    # launch 3 of 3 (grid): the candidates whose bound reaches thr (and the top) are brought up
-    # to date one by one -- a data-dependent number, usually none in a block -- and the block's
-    # best true score and its first index -> partials[t % 2], what the next step draws from. A
-    # candidate left stale has true score <= bound < thr <= s: it cannot be the draw.
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < tl.load(n_ptr)
-    seed = tl.load(seed_ptr).to(tl.uint32)
-    thr = tl.load(thr_ptr)
-    top = tl.load(seen_ptr + cap)
-    dmin = tl.load(dmin_ptr + offs_n, mask=mask_n, other=-1.0)
-    bound = _race_bound(dmin, seed, t, offs_n)
-    touched = mask_n & (dmin >= 0) & ((bound >= thr) | (offs_n == top))
-    best = float("-inf")
-    best_n = 2147483647
-    row = pid * BLOCK_N - 1
-    for _ in range(tl.sum(touched.to(tl.int32), axis=0)):  # ascending rows
-        row = tl.min(tl.where(touched & (offs_n > row), offs_n, 2147483647), axis=0)
-        d = _refresh_row(a_ptr, b_ptr, bc_ptr, sqn_ptr, dmin_ptr, seen_ptr, picks_ptr, row, t,
-                         A, B, stride_an, stride_bn, stride_bcn, BLOCK_A, BLOCK_B, BLOCK_C)
-        s = _race_score(d, seed, t, row)
-        take = s > best  # rows ascend: an equal score keeps the smaller index
-        best_n = tl.where(take, row, best_n)
-        best = tl.where(take, s, best)
-    cur = (t % 2) * P
-    tl.store(part_score_ptr + cur + pid, best)
-    tl.store(part_idx_ptr + cur + pid, best_n)
-
-
-# ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
 # Partials one program reduces: a grid of more blocks than this (N > 131,072 at 128 rows a block)
 # reduces its per-block maxima in two levels (``_reduce_partials_kernel``), so no program holds
 # more than a [GROUP] tile of them.
 GROUP = 1024
-LAZY_WARPS = 4  # the lazy race's refresh launches (8 spilled more: 24-32 B against 8-20 B)
 
 
 def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
                    block_n: int | None = None, device=None, sms: int | None = None,
-                   group: int | None = None) -> dict:
+                   group: int | None = None, factors=torch.float32,
+                   cooperative: bool | None = None) -> dict:
     """Tile sizes, warps and grid of one seeding. Under the interpreter: few, large programs
     (it is slow per program). On GPU: [128, <=64]-wide fp32 chunks, the first one of each
     factor prefetched before the centre is known (ptxas figures in bench/RESULTS.md).
     ``group``: the most per-block partials one program reduces; a larger grid reduces them in
     two levels (``P2`` level-2 partials; tests pass a small group to reach it). ``partials``:
-    the size of each partials buffer."""
+    the size of each partials buffer. Resident variant: ``factors`` (the factor dtype) and
+    ``cooperative`` (the one persistent launch; default: on a GPU; False: the per-round twin)
+    (``resident_config``; a pool that does not fit on chip is a ValueError)."""
     if variant not in VARIANTS:
         raise ValueError(f"kmeanspp: variant {variant!r} is not one of {VARIANTS}")
+    if variant == "resident":
+        return _resident_seeding_config(capacity, a, b, factors, device, sms, cooperative)
     chunk = 128 if INTERPRETED else 64
     if INTERPRETED:
         bn, warps = max(16, min(1024, triton.next_power_of_2(capacity))), 4
@@ -502,29 +279,20 @@ def seeding_config(capacity: int, a: int, b: int, variant: str = "steps",
     return cfg
 
 
-def _reduced(cfg) -> tuple[int, int]:
-    """(R0, RP): where a step's reduced partials start in the partials buffers (per ping-pong
-    slot RP of them): the level-1 ones, or the level-2 ones after the grid's 2 P."""
-    p = cfg["grid"]
-    return (2 * p, cfg["P2"]) if cfg["P2"] else (0, p)
-
-
-def _reduce(part_score, part_idx, t, cfg):
-    """The second level of step t's reduction, if the grid needs one (one launch)."""
-    if cfg["P2"]:
-        _reduce_partials_kernel[(cfg["P2"],)](part_score, part_idx, cfg["grid"], 2 * cfg["grid"],
-                                              t, GROUP=cfg["GROUP"], **NO_FMA)
-
-
 def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar,
-                   k: int, cfg: dict, variant: str = "steps", seen=None, thr=None):
+                   k: int, cfg: dict, variant: str = "steps", seen=None, thr=None, best=None):
     """The launches of one seeding over capacity-shaped buffers (a fixed sequence for a given
     configuration: graph-capturable). a [cap, A], b / bc [cap, B] (any float dtype, row-major
     rows), sqn / dmin [cap] fp32, excl [cap] uint8/bool, n_t [1] int32 (valid rows),
     picks [k] int64, seed_t [1] int64, part_score / part_idx [cfg["partials"]], bar [1] int32
     (zeroed here; persistent variant only). Lazy variant only: seen int32 [cap + 1] (the
-    centres applied to each D; the last entry: the step's top candidate), thr [1] fp32."""
+    centres applied to each D; the last entry: the step's top candidate), thr [1] fp32.
+    Resident variant only: best int64 [k] (the rounds' race keys; filled here), and bf16
+    factors with 4-byte aligned rows (``factor_words``)."""
     p = cfg["grid"]
+    if variant == "resident":
+        _launch_resident(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, best, bar, k, cfg)
+        return
     tiles = dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"],
                  BLOCK_P=cfg["BLOCK_P"])
     strides = (a.stride(0), b.stride(0), bc.stride(0))
@@ -549,31 +317,6 @@ def launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, pa
                                 BLOCK_P=tiles["BLOCK_P"], **NO_FMA)
 
 
-def _launch_lazy(a, b, bc, sqn, dmin, n_t, picks, seed_t, part_score, part_idx, seen, thr, k,
-                 cfg):
-    """Steps 2 .. k-1 of the lazy variant (steps 0 and 1 are the eager kernel's: a uniform draw,
-    then the one full pass, every D being +inf before the first centre): three launches a step
-    (bound, top, draw; plus the second level of each grid-wide reduction on large grids), each
-    reading the [cap] D vector and the factors of the few candidates brought up to date."""
-    p, cap = cfg["grid"], dmin.shape[0]
-    r0, rp = _reduced(cfg)
-    sizes = (a.shape[1], b.shape[1], a.stride(0), b.stride(0), bc.stride(0))
-    blocks = dict(BLOCK_A=cfg["BLOCK_A"], BLOCK_B=cfg["BLOCK_B"], BLOCK_C=cfg["BLOCK_C"])
-    seen.fill_(1)  # after step 1 every D has seen centre 0
-    for t in range(2, k):
-        _lazy_bound_kernel[(p,)](dmin, n_t, picks, seed_t, part_score, part_idx, p, r0, rp, t,
-                                 BLOCK_N=cfg["BLOCK_N"], BLOCK_P=cfg["BLOCK_P"],
-                                 num_warps=cfg["num_warps"], **NO_FMA)
-        _reduce(part_score, part_idx, t, cfg)
-        _lazy_top_kernel[(1,)](a, b, bc, sqn, dmin, seen, picks, seed_t, part_score, part_idx,
-                               thr, r0, rp, t, cap, *sizes, BLOCK_P=cfg["BLOCK_P"],
-                               num_warps=LAZY_WARPS, **NO_FMA, **blocks)
-        _lazy_draw_kernel[(p,)](a, b, bc, sqn, dmin, seen, n_t, picks, seed_t, part_score,
-                                part_idx, thr, p, t, cap, *sizes, BLOCK_N=cfg["BLOCK_N"],
-                                num_warps=LAZY_WARPS, **NO_FMA, **blocks)
-        _reduce(part_score, part_idx, t, cfg)
-
-
 def kmeanspp_triton(
     alpha: torch.Tensor,  # [N, a]
     beta: torch.Tensor,  # [N, b]
@@ -588,6 +331,8 @@ def kmeanspp_triton(
     variant: str = "steps",
     stats: dict | None = None,
     group: int | None = None,
+    sms: int | None = None,
+    cooperative: bool | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``reference.kmeanspp``: long [k] distinct indices, the reference's draws for
     the same seed; non-finite |g_n|^2 candidates are never drawn, as in the reference. Factors of
@@ -597,7 +342,9 @@ def kmeanspp_triton(
     ``group``: partials per program of the reduction (a small one reaches its two levels).
     ``validate=True`` syncs once to count the eligible candidates, as the reference does.
     ``stats`` (lazy variant), if given, receives ``refreshed``: the candidates brought up to
-    date after the first full pass (a host sync)."""
+    date after the first full pass (a host sync). Resident variant: ``sms`` (its programs: the
+    SMs, or INTERPRETED_SMS under the interpreter), ``cooperative`` (False: the per-round
+    twin); bf16 factors of odd width are copied with a zero column."""
     reference._check_factors(alpha, beta, beta_c, sqn)
     n = alpha.shape[0]
     reference._check_kmeanspp_args(n, k, exclude, alpha.device, validate=False)
@@ -616,7 +363,12 @@ def kmeanspp_triton(
     if validate:  # one host sync, as the reference: excluded and non-finite are not eligible
         reference._check_kmeanspp_args(n, k, excl != 0, dev, True,
                                        nonfinite=~torch.isfinite(sqn))
-    cfg = seeding_config(n, a.shape[1], b.shape[1], variant, block_n, dev, group=group)
+    cfg = seeding_config(n, a.shape[1], b.shape[1], variant, block_n, dev, sms=sms, group=group,
+                         factors=a.dtype, cooperative=cooperative)
+    if variant == "resident":
+        if not a.dtype == b.dtype == bc.dtype:
+            raise ValueError("kmeanspp: the resident variant needs one factor dtype")
+        a, b, bc = (_aligned_words(x) for x in (a, b, bc))
     # fill kernels, not host-to-device copies (a blocking copy would synchronise the stream)
     n_t = torch.full((1,), n, dtype=torch.int32, device=dev)
     seed_t = torch.full((1,), reference.seed32(seed), dtype=torch.int64, device=dev)
@@ -627,8 +379,9 @@ def kmeanspp_triton(
     bar = torch.zeros(1, device=dev, dtype=torch.int32)
     seen = torch.empty(n + 1, device=dev, dtype=torch.int32) if variant == "lazy" else None
     thr = torch.empty(1, device=dev, dtype=torch.float32) if variant == "lazy" else None
+    best = torch.empty(k, device=dev, dtype=torch.int64) if variant == "resident" else None
     launch_seeding(a, b, bc, sqn, dmin, excl, n_t, picks, seed_t, part_score, part_idx, bar, k,
-                   cfg, variant, seen, thr)
+                   cfg, variant, seen, thr, best)
     if stats is not None and seen is not None:
         stats["refreshed"] = int((seen[:n] > 1).sum())
     return picks

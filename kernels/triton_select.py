@@ -8,7 +8,12 @@ variant, device, keys buffer) and owns every buffer of the hot path:
              feats [M, d_h], exclude [cap], n [1] (valid rows), seed [1]
     factors  alpha [cap, a], beta / beta_c [cap, b], sqn [cap]   (written by the embedding kernel)
     seeding  D [cap], picks [k], partials [2, P (+ P2)], barrier [1]; the lazy race also seen
-             [cap + 1] and thr [1]
+             [cap + 1] and thr [1]; the resident variant best [k] (its rounds' race keys)
+
+``variant="resident"`` (issue 48) holds the factors on chip for all k rounds (one cooperative
+launch, kernels/triton_resident.py; its per-round twin under the interpreter) where the pool
+fits (``resident_fits``); a plan whose pool does not fit runs the per-step variant
+(``plan.variant`` says which runs).
 
 A call writes the small inputs (queries, feats, exclude; fill kernels for n and seed), replays
 the graph and returns the picks: no allocation, no host synchronisation, no copy of the pool or
@@ -32,9 +37,10 @@ import torch
 from . import reference
 from . import triton_grad_embed as ge
 from . import triton_kmeanspp as km
+from . import triton_resident as rs
 
-__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "FACTOR_DTYPES", "MAX_PLANS",
-           "INTERPRETED"]
+__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "resident_fits",
+           "FACTOR_DTYPES", "MAX_PLANS", "INTERPRETED"]
 
 INTERPRETED = ge.INTERPRETED
 FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,6 +66,9 @@ class SelectPlan:
         fdt = FACTOR_DTYPES[factors]
         a = d if head else m
         b = (m if self.gram else dh) if head else d
+        if variant == "resident" and rs.resident_config(capacity, a, b, fdt,
+                                                        _sms(dev)) is None:
+            self.variant = "steps"  # the pool does not fit on chip: today's default variant
         f32 = dict(device=dev, dtype=torch.float32)
         if keys_buffer is not None:
             if keys_buffer.shape != (capacity, d) or keys_buffer.stride(1) != 1:
@@ -75,20 +84,28 @@ class SelectPlan:
         self.exclude = torch.zeros(capacity, device=dev, dtype=torch.uint8)  # [cap]
         self.n = torch.zeros(1, device=dev, dtype=torch.int32)
         self.seed = torch.zeros(1, device=dev, dtype=torch.int64)
-        self.alpha = torch.zeros(capacity, a, device=dev, dtype=fdt)  # [cap, a]
-        self.beta = torch.zeros(capacity, b, device=dev, dtype=fdt)  # [cap, b]
-        self.beta_c = torch.zeros(capacity, b, device=dev, dtype=fdt) if self.gram else None
+        # the resident variant reads bf16 factors as 32-bit words: rows padded to an even width
+        # with a zero column (the embedding writes the first a / b columns only)
+        pad = 1 if self.variant == "resident" and fdt == torch.bfloat16 else 0
+        self.alpha = torch.zeros(capacity, a + (a & pad), device=dev, dtype=fdt)[:, :a]
+        self.beta = torch.zeros(capacity, b + (b & pad), device=dev, dtype=fdt)[:, :b]
+        self.beta_c = (torch.zeros(capacity, b + (b & pad), device=dev, dtype=fdt)[:, :b]
+                       if self.gram else None)  # [cap, a], [cap, b], [cap, b]
         self.sqn = torch.zeros(capacity, **f32)  # [cap] |g_n|^2
         self.dmin = torch.zeros(capacity, **f32)  # [cap]
         self.picks = torch.zeros(k, device=dev, dtype=torch.int64)  # [k]
-        self.cfg = km.seeding_config(capacity, a, b, variant, device=dev)
+        self.cfg = km.seeding_config(capacity, a, b, self.variant, device=dev,
+                                     sms=_sms(dev) if self.variant == "resident" else None,
+                                     factors=fdt)
         parts = self.cfg["partials"]  # [2, P] ping-pong (+ [2, P2] on two-level grids)
         self.part_score = torch.zeros(parts, **f32)
         self.part_idx = torch.zeros(parts, device=dev, dtype=torch.int32)
         self.bar = torch.zeros(1, device=dev, dtype=torch.int32)
-        lazy = variant == "lazy"
+        lazy = self.variant == "lazy"
         self.seen = torch.zeros(capacity + 1, device=dev, dtype=torch.int32) if lazy else None
         self.thr = torch.zeros(1, **f32) if lazy else None
+        self.best = (torch.zeros(k, device=dev, dtype=torch.int64)  # [k] the rounds' race keys
+                     if self.variant == "resident" else None)
         self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
         self._launch()  # compile, autotune and warm up outside any capture
         if graph if graph is not None else (dev.type == "cuda"
@@ -105,7 +122,7 @@ class SelectPlan:
         bc = self.beta if self.beta_c is None else self.beta_c
         km.launch_seeding(self.alpha, self.beta, bc, self.sqn, self.dmin, self.exclude, self.n,
                           self.picks, self.seed, self.part_score, self.part_idx, self.bar,
-                          self.k, self.cfg, self.variant, self.seen, self.thr)
+                          self.k, self.cfg, self.variant, self.seen, self.thr, self.best)
 
     def _capture(self):
         torch.cuda.synchronize(self.device)  # once per plan, at capture time only
@@ -145,6 +162,32 @@ class SelectPlan:
         else:
             self._launch()
         return self.picks.clone()
+
+
+def _sms(device) -> int:
+    """The resident variant's program count: the device's SMs (the interpreter: a few)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return rs.INTERPRETED_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def resident_fits(capacity: int, m: int, d: int, dh: int | None = None, *, view: str = "head",
+                  factors: str = "bf16", sms: int | None = None, device=None) -> bool:
+    """Whether ``variant="resident"`` holds this pool on chip: ``capacity`` candidates of the
+    selection's factors (M pseudo-labels, key dim d, feature dim d_h; the head view's Gram
+    route when d_h > M) in ``factors`` storage, over ``sms`` programs (default: the device's
+    SMs). The budget is the register file, not shared memory: Triton keeps the resident rows
+    in registers, rs.RESIDENT_WORDS 32-bit words a program (one program per SM). A plan whose
+    pool does not fit runs the per-step variant instead."""
+    head = view == "head"
+    gram = head and dh is not None and dh > m and m <= ge.GRAM_MAX_M
+    a = d if head else m
+    b = (m if gram else dh) if head else d
+    if sms is None:
+        sms = _sms(device if device is not None else
+                   ("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"))
+    return rs.resident_config(capacity, a, b, FACTOR_DTYPES[factors], sms) is not None
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()

@@ -112,3 +112,44 @@ def test_every_embedding_launch_has_one_configuration_the_same_in_every_process(
             "        print(m, view, prec, f, kw.get('GRAM'), kw['BLOCK_N'], kw['num_warps'])\n")
     first, second = _run(code), _run(code)
     assert first == second and len(first.splitlines()) == 7 * 2 * 3 * 2 * 2
+
+
+def test_the_resident_kernel_compiles_for_h100_without_spills():
+    """The resident variant (issue 48) at the issue's pool, N = 38,400, M = d = 128, d_h = 512,
+    bf16 factors, 132 SMs: 120 programs of 256 + 64 rows holding 128 words a row in registers,
+    both views, and a pool of one tile a program (N = 33,792): ptxas reports no spill, the
+    shared memory is the reductions' scratch only, and the launch is cooperative. Its per-round
+    twin and last pick compile too; N = 153,600 does not fit and records the per-step kernel."""
+    pytest.importorskip("triton.backends.nvidia")
+    out = _run(
+        "import kernels._aot as a\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "names = ('_kmeanspp_resident_kernel', '_kmeanspp_resident_round_kernel', "
+        "'_resident_pick_kernel')\n"
+        "for n, view, coop in ((38400, 'head', None), (38400, 'queries', None), "
+        "(33792, 'head', None), (38400, 'head', False)):\n"
+        "    calls = a.record_selection(n, 128, 128, 512, 128, view=view, factors='bf16', "
+        "variant='resident', cooperative=coop)\n"
+        "    done = set()\n"
+        "    for fn, args, kw in calls:\n"
+        "        if fn.__name__ not in names or (fn.__name__, kw.get('FIRST')) in done:\n"
+        "            continue\n"
+        "        done.add((fn.__name__, kw.get('FIRST')))\n"
+        "        ck, _, _ = a._compile_call(fn, args, kw, GPUTarget('cuda', 90, 32))\n"
+        "        print(n, view, fn.__name__, kw.get('ROWS_A'), kw.get('ROWS_B'), "
+        "'coop', ck.metadata.launch_cooperative_grid, 'shared', ck.metadata.shared, '|', "
+        "a._ptxas_info(ck.asm['ptx'], 90))\n"
+        "calls = a.record_selection(153600, 128, 128, 512, 128, factors='bf16', "
+        "variant='resident')\n"
+        "print('153600', sorted({fn.__name__ for fn, _, _ in calls}))\n")
+    rows = [ln for ln in out.splitlines() if "resident" in ln and "|" in ln]
+    assert len(rows) == 6, out  # kernel x 3 settings, round kernel (first / later), last pick
+    kernel = [r for r in rows if "_kmeanspp_resident_kernel" in r]
+    assert len(kernel) == 3 and all("coop True" in r for r in kernel), out
+    assert all(" 256 64 " in r for r in kernel if r.startswith("38400")), out
+    assert all("0 bytes spill stores" in r for r in rows), out
+    shared = [int(re.search(r"shared (\d+)", r).group(1)) for r in kernel]
+    assert max(shared) <= 4096, out  # reduction scratch, no resident data in shared memory
+    last = out.splitlines()[-1]
+    assert "_kmeanspp_step_kernel" in last and "resident" not in last, out
+    print(out)

@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():  # before any Triton kernel is defined (at kernels import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,16 +19,10 @@ from kernels import reference as ref  # noqa: E402
 from kernels import triton_select as ts  # noqa: E402
 from kernels.triton_kmeanspp import kmeanspp_triton  # noqa: E402
 
-from devices import DEV  # noqa: E402
+from devices import DEV, selection_inputs  # noqa: E402
 
 
-def _pool(cap, m, d, dh, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    keys = F.normalize(torch.randn(cap, d, generator=g), dim=1).to(DEV)  # [cap, d]
-    queries = F.normalize(torch.randn(m, d, generator=g), dim=1).to(DEV)  # [M, d]
-    feats = torch.randn(m, dh, generator=g).to(DEV)  # [M, d_h]
-    exclude = (torch.rand(cap, generator=g) < 0.2).to(DEV)  # [cap]
-    return keys, queries, feats, exclude
+_pool = selection_inputs
 
 
 def _reference_picks(keys, queries, feats, k, seed, view, exclude):
