@@ -4,15 +4,21 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP   = $(VENV)/.installed-cuda$(CUDA)
 # the driver's CUDA: 13 (default: requirements.txt, driver R580+) or 12 (requirements-cu12.txt,
-# driver R570+); `nvidia-smi` prints the driver and the newest CUDA it runs
-CUDA   ?= 13
+# driver R570+); `nvidia-smi` prints the driver and the newest CUDA it runs. The set installed is
+# remembered by its stamp in .venv: every later target without CUDA= keeps it (`make install
+# CUDA=12`, then `make test` tests the CUDA 12 set); another CUDA= recreates .venv (the two torch
+# and DALI builds cannot share one environment)
+CUDA   ?= $(or $(patsubst $(VENV)/.installed-cuda%,%,$(lastword $(wildcard $(VENV)/.installed-cuda*))),13)
 REQS   := $(if $(filter 12,$(CUDA)),requirements-cu12.txt,requirements.txt)
 
-.PHONY: install demo test coverage bench gpu-check clean
+.PHONY: install demo test coverage bench gpu-check gpu-session clean
 
 install: $(STAMP)
 
 $(STAMP): $(REQS) requirements-common.txt setup.py
+	@for s in $(VENV)/.installed-cuda*; do [ -e "$$s" ] && [ "$$s" != "$(STAMP)" ] && { \
+	  echo "$(VENV) holds the CUDA $${s##*cuda} set; CUDA=$(CUDA) asked: recreating $(VENV)"; \
+	  rm -rf $(VENV); break; }; done; true
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r $(REQS)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --config-settings editable_mode=compat -e .
@@ -53,6 +59,14 @@ bench: install
 # (one part alone: .venv/bin/python bench/gpu_check.py --part kernels|sweep|dali|train)
 gpu-check: install
 	$(PY) bench/gpu_check.py
+
+# A lent GPU in one call (<= 9 minutes): every figure as JSON lines in $$OUT/session.jsonl (else
+# runs/gpu_session), each part's line written as it ends (docs/GPU.md, "The prepared GPU
+# session"). No `install`: it runs with $(PYTHON) (python3: the machine's own, with torch and
+# triton; no package index needed); SESSION_ARGS passes options, e.g.
+# SESSION_ARGS="--part pairs select --budget-s 300", or "--dry-run" on a CPU
+gpu-session:
+	$(PYTHON) bench/gpu_session.py $(SESSION_ARGS)
 
 clean:
 	rm -rf runs/demo runs/coverage .pytest_cache .coverage .coverage.*

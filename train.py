@@ -90,7 +90,7 @@ FLAGS = {
         ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding")),
         ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (bf16 halves k-means++ bytes)")),
         ("--kmeans", "selection.kmeans", dict(choices=KMEANS_VARIANTS, help="GPU k-means++: a launch per step (default) or one persistent launch")),
-        ("--select-impl", "selection.impl", dict(choices=SELECT_IMPLS, help="GPU k-means++: eager (default: every distance each step) or lazy (the exponential race touches ~1-10 candidates a step; same picks; docs/GPU.md)")),
+        ("--select-impl", "selection.impl", dict(choices=SELECT_IMPLS, help="GPU k-means++: eager (default: every distance each step), lazy (the exponential race touches ~1-10 candidates a step) or resident (the factors held on chip by one cooperative launch; pools that do not fit run eager); same picks; docs/GPU.md")),
         ("--no-select-overlap", "selection.overlap", dict(action="store_const", const=False, help="GPU: run the selection in line instead of on a side stream")),
         ("--fcl", "model.fcl", dict(action="store_const", const=True, help="cross-modal FC layer (default on)")),
         ("--no-fcl", "model.fcl", dict(action="store_const", const=False, help="ablation 'w/o fcl'")),
@@ -114,6 +114,9 @@ FLAGS = {
         ("--amp", "optim.amp", dict(choices=AMPS, help="autocast dtype")),
         ("--no-channels-last", "optim.channels_last", dict(action="store_const", const=False, help="NCTHW video encoders")),
         ("--compile", "optim.compile", dict(action="store_const", const=True, help="torch.compile the backbones")),
+        ("--no-cudnn-benchmark", "optim.cudnn_benchmark", dict(action="store_const", const=False, help=(
+            "CUDA: use cuDNN's heuristic convolution algorithms instead of timing them once for "
+            "the run's fixed shapes (the default, torch.backends.cudnn.benchmark)"))),
     ],
     "synthetic data": [
         ("--clips", "data.clips", dict(type=int, help="number of synthetic clips")),
@@ -215,6 +218,20 @@ def check_warmup(cfg, preset: str, *, given: bool) -> None:
                     f"{cfg.optim.lr:g} by its end; pass --warmup {steps} or fewer, or more --steps")
 
 
+def say_unusable_gpu() -> None:
+    """Without --device, a machine with an NVIDIA driver whose CUDA torch cannot use trains on
+    the CPU: said in one line (what torch needs, what was found), not silently."""
+    import shutil
+
+    if torch.version.cuda is not None and shutil.which("nvidia-smi"):
+        from cmacc.devices import cuda_needs
+
+        logging.getLogger("cmacc").warning(
+            "this machine has an NVIDIA driver but CUDA is not usable, so the run trains on the "
+            "CPU: %s; install for your driver (README, Install), or pass --device cpu to say so",
+            cuda_needs())
+
+
 @command  # user errors: one line on stderr, exit 2 (--debug: the traceback)
 def main(argv=None) -> int:
     parser = build_parser()
@@ -227,6 +244,8 @@ def main(argv=None) -> int:
         raise UserError(in_flag_terms(str(e))) from None
     setup_logging(quiet=os.environ.get("RANK", "0") != "0")
     check_warmup(cfg, args.preset, given=getattr(args, "optim.warmup") is not None)
+    if args.__dict__.get("run.device") is None and cfg.run.device == "cpu":
+        say_unusable_gpu()
     try:
         summary = Trainer(cfg).run()
     except NonFiniteLoss as e:  # not the user's mistake, but no traceback either: exit 1

@@ -55,7 +55,8 @@ from data_dali.fileio import atomic_write_text  # noqa: E402
 SIZES = (9600, 19200, 38400, 76800, 153600)
 BATCHES = (512, 4096)  # global batches M timed at their pool N = 300 M (M = 128 at every size)
 KERNEL_TESTS = ("tests/test_grad_embed.py", "tests/test_kmeanspp.py",
-                "tests/test_select_plan.py", "tests/test_reference.py")
+                "tests/test_select_plan.py", "tests/test_reference.py",
+                "tests/test_resident_select.py")
 
 
 def _env_without_interpreter() -> dict:
@@ -77,20 +78,24 @@ def kernel_tests(args) -> str:
     return "passed: " + (lines or ["(no output)"])[-1]
 
 
-def _pool(n, m, d, dh, g):
+def _pool(n, m, d, dh, g, device="cuda"):
     import torch.nn.functional as F
 
-    keys = F.normalize(torch.randn(n, d, generator=g), dim=1).cuda()  # the pool buffer [N, d]
-    queries = F.normalize(torch.randn(m, d, generator=g), dim=1).cuda()  # [M, d]
-    return keys, queries, torch.randn(m, dh, generator=g).cuda()  # feats [M, d_h]
+    keys = F.normalize(torch.randn(n, d, generator=g), dim=1).to(device)  # the pool buffer [N, d]
+    queries = F.normalize(torch.randn(m, d, generator=g), dim=1).to(device)  # [M, d]
+    return keys, queries, torch.randn(m, dh, generator=g).to(device)  # feats [M, d_h]
 
 
-def _time_settings(n, m, pool, view, settings, agree: bool) -> list[dict]:
+def _time_settings(n, m, pool, view, settings, agree: bool, timer=None) -> list[dict]:
     """One row per (precision, factors, k-means++) setting: the median ms of a bound plan's
-    replay, and (``agree``) its picks against the first setting's (same seed)."""
+    replay (``timer(fn)`` -> ms; default ``triton.testing.do_bench``'s median), and
+    (``agree``) its picks against the first setting's (same seed). The plans live on the pool's
+    device (the Triton interpreter's CPU tensors too: bench/gpu_session.py --dry-run)."""
     from triton.testing import do_bench
 
     from kernels import triton_select as ts
+
+    timer = timer or (lambda fn: do_bench(fn, return_mode="median"))
 
     keys, queries, feats = pool
     d, dh, k = keys.shape[1], feats.shape[1], m
@@ -99,10 +104,10 @@ def _time_settings(n, m, pool, view, settings, agree: bool) -> list[dict]:
         row = dict(M=m, N=n, view=view, precision=prec, factors=fac, kmeans=var)
         try:
             plan = ts.SelectPlan(n, m, d, dh, k, view=view, tau=1.0, precision=prec,
-                                 factors=fac, variant=var, device="cuda", keys_buffer=keys)
+                                 factors=fac, variant=var, device=keys.device, keys_buffer=keys)
             run = lambda: plan.run(keys, n, queries, feats, None, 7)  # noqa: E731
             picks = run()
-            row["ms"] = do_bench(run, return_mode="median")
+            row["ms"] = timer(run)
             row["captures"] = plan.captures
             if agree:
                 base = picks if base is None else base

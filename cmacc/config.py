@@ -31,7 +31,9 @@ POOL_MODES = ("rolling", "epoch")
 SELECT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input precision of the embedding kernel
 SELECT_FACTORS = ("fp32", "bf16")  # storage of the gradient-embedding factors
 KMEANS_VARIANTS = ("steps", "persistent")  # k-means++: a launch per step, or one persistent one
-SELECT_IMPLS = ("eager", "lazy")  # k-means++ on a GPU: every D each step, or the lazy race
+# k-means++ on a GPU: every D each step, the lazy race, or the factors resident on chip in one
+# cooperative launch (pools that do not fit run the per-step variant: kernels/triton_select.py)
+SELECT_IMPLS = ("eager", "lazy", "resident")
 DICT_INITS = ("encode", "random")
 AMPS = ("none", "bf16", "fp16")
 LOADERS = ("auto", "dali", "reference")
@@ -158,8 +160,8 @@ class SelectionConfig:
         _choice("factors", self.factors, SELECT_FACTORS)
         _choice("kmeans", self.kmeans, KMEANS_VARIANTS)
         _choice("impl", self.impl, SELECT_IMPLS)
-        if self.impl == "lazy" and self.kmeans == "persistent":
-            raise ValueError("--select-impl lazy runs its own launches per step: it has no "
+        if self.impl != "eager" and self.kmeans == "persistent":
+            raise ValueError(f"--select-impl {self.impl} runs its own launches: it has no "
                              "persistent variant; drop --kmeans persistent or use "
                              "--select-impl eager")
         _choice("grad_view", self.grad_view, GRAD_VIEWS)
@@ -173,8 +175,9 @@ class SelectionConfig:
 
     @property
     def kmeans_variant(self) -> str:
-        """kernels.select's ``variant``: the lazy race, or the eager variant asked for."""
-        return "lazy" if self.impl == "lazy" else self.kmeans
+        """kernels.select's ``variant``: the lazy race, the resident kernel, or the eager
+        variant asked for."""
+        return self.impl if self.impl in ("lazy", "resident") else self.kmeans
 
 
 @dataclass
@@ -241,6 +244,7 @@ class OptimConfig:
     amp: str = "none"  # autocast dtype
     channels_last: bool = True  # channels_last_3d video encoders
     compile: bool = False  # torch.compile the backbones
+    cudnn_benchmark: bool = True  # CUDA: cuDNN times its convolution algorithms for the shapes
 
     def __post_init__(self):
         if self.lr <= 0:

@@ -77,6 +77,21 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
                                   else dcfg.max_bad_clips, stop_past_limit=stop_past_limit)
 
 
+def keep_clips_on_device(loader, device) -> str:
+    """The in-memory clips kept on the GPU when they take at most a quarter of its memory
+    (``ToyLoader.to``; one view): each batch is then a gather there, with no host copy. Returns
+    the words for the loader's log line ("" where nothing changes)."""
+    device = torch.device(device)
+    if not isinstance(loader, ToyLoader) or device.type != "cuda" or loader.views != 1:
+        return ""
+    gb, total = loader.nbytes / 2**30, torch.cuda.get_device_properties(device).total_memory
+    if loader.nbytes > total // 4:
+        return (f"; the clips ({gb:.1f} GiB) stay in host memory (more than a quarter of the "
+                "GPU's), each batch gathered there and copied")
+    loader.to(device)
+    return f"; the clips ({gb:.1f} GiB) kept on {device}, each batch gathered there"
+
+
 def loader_line(loader) -> str:
     """Which loader runs and why, in words (train.py logs it at the start)."""
     if isinstance(loader, ToyLoader):

@@ -9,6 +9,7 @@ import inspect
 import os
 import pickle
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,11 +64,18 @@ def init_process_group(backend: str, timeout: float | None = None) -> None:
 
     ``timeout`` (seconds; None: torch's default, 10 min for NCCL, 30 for gloo) bounds the wait
     of a collective that a peer never joins (a lost node): the survivors then fail and torchrun
-    restarts them (docs/RELIABILITY.md, "A lost node")."""
-    store, rank_, world = next(dist.rendezvous("env://"))
+    restarts them (docs/RELIABILITY.md, "A lost node"). It bounds the store's waits too: rank
+    0's wait for the other ranks to connect, a worker's connect, and each key read of the
+    group's own rendezvous (gloo's addresses, NCCL's unique id). torch sets the store's timeout
+    only for a store it makes itself; this one is passed in, so it is set here (else 30 min)."""
+    td = None if timeout is None else datetime.timedelta(seconds=timeout)
+    store, rank_, world = next(dist.rendezvous("env://", **({} if td is None else {"timeout": td})))
+    if td is not None:
+        store.set_timeout(td)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         store = dist.PrefixStore(f"cmacc/attempt_{restart_count()}", store)
-    kw = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    kw = {} if td is None else {"timeout": td}
+    reset_shuffle_generator()
     dist.init_process_group(backend, store=store, rank=rank_, world_size=world, **kw)
 
 
@@ -148,30 +156,130 @@ def broadcast_(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     return x
 
 
+# -- shuffle-BN ----------------------------------------------------------------------------
+# MoCo's shuffle-BN: the key encoder sees the global batch permuted over the ranks, so the BN
+# statistics of a key and of its query come from different clips. The permutation is drawn
+# on the host from a generator in the same state on every rank, so every rank knows every
+# rank's routing without a broadcast or a device-to-host copy, and the clips move with one
+# all_to_all_single: rank r receives exactly its M / world rows (the gather this replaced
+# received all M on every rank: world times the bytes, and twice M rows of transient memory).
+SHUFFLE_SEED = 0x5EED_B4  # the fallback generator's seed (no generator passed)
+_shuffle_gen: torch.Generator | None = None
+
+
+def reset_shuffle_generator(seed: int = SHUFFLE_SEED) -> None:
+    """Re-seed the fallback generator of ``batch_shuffle`` (done by ``init_process_group``):
+    every rank of a new group starts from the same state, and draws once per shuffle."""
+    global _shuffle_gen
+    _shuffle_gen = torch.Generator().manual_seed(seed)
+
+
+def shuffle_generator(seed: int, step: int) -> torch.Generator:
+    """A host generator for the shuffles of ``step``, the same on every rank and after a
+    resume (the fallback's state is not in the checkpoint). Pass it to every ``batch_shuffle``
+    of that step, in the same order on every rank."""
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + int(step) * 7919 + 0x5EED)
+                                         % (2 ** 63))
+
+
+class Shuffle(NamedTuple):
+    """One shuffle's routing, all on the host except the ``*_dev`` index tensors (on the
+    clips' device). ``perm`` [M]: global row j of the shuffled batch is global row perm[j] of
+    the input (rank r holds rows r·L … r·L + L − 1, L = M / world, before and after)."""
+    perm: torch.Tensor
+    send_splits: list  # rows this rank sends to each rank (forward)
+    recv_splits: list  # rows this rank receives from each rank (forward)
+    send_rows_dev: torch.Tensor  # [L] local input rows in send order
+    recv_inv_dev: torch.Tensor  # [L] output row j = received row recv_inv[j]
+    recv_order_dev: torch.Tensor  # [L] received row k = output row recv_order[k]
+    send_inv_dev: torch.Tensor  # [L] input row i = row send_inv[i] of what comes back
+
+
+def shuffle_plan(perm: torch.Tensor, world: int, rank_: int, device) -> Shuffle:
+    """The routing of ``perm`` (host int64 [M], a permutation, M = world · L) for ``rank_``:
+    which local rows go to which rank, and where the received ones land. Pure host work."""
+    m = perm.numel()
+    local = m // world
+    owner = perm // local  # the rank holding each output position's source row
+    mine = owner[rank_ * local:(rank_ + 1) * local]
+    # receive: grouped by source rank, within a group in output order (senders send so)
+    recv_order = torch.sort(mine, stable=True).indices
+    recv_inv = torch.argsort(recv_order)
+    recv_splits = torch.bincount(mine, minlength=world).tolist()
+    # send: the output positions, in order, whose source row is here; grouped by destination
+    pos = torch.nonzero(owner == rank_).squeeze(1)
+    send_rows = perm[pos] - rank_ * local
+    send_splits = torch.bincount(pos // local, minlength=world).tolist()
+    send_inv = torch.argsort(send_rows)
+    idx = torch.stack([send_rows, recv_inv, recv_order, send_inv])
+    dev = torch.device(device)
+    if dev.type == "cuda":  # pinned: the copy does not wait for the device's queue
+        idx = idx.pin_memory().to(dev, non_blocking=True)
+    else:
+        idx = idx.to(dev)
+    return Shuffle(perm, send_splits, recv_splits, *idx.unbind(0))
+
+
+def _as_rows(x: torch.Tensor):
+    """``x`` as a contiguous [N, -1] view in its memory order (channels-last kept: no copy
+    where it is channels-last), and how to give rows back x's shape and memory format."""
+    n = x.shape[0]
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        y = x.permute(0, 2, 3, 4, 1)
+        return y.reshape(n, -1), lambda r: r.view(r.shape[0], *y.shape[1:]).permute(0, 4, 1, 2, 3)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        y = x.permute(0, 2, 3, 1)
+        return y.reshape(n, -1), lambda r: r.view(r.shape[0], *y.shape[1:]).permute(0, 3, 1, 2)
+    shape = x.shape[1:]
+    return x.contiguous().view(n, -1), lambda r: r.view(r.shape[0], *shape)
+
+
+def _route(x: torch.Tensor, send_rows, send_splits, recv_splits, recv_index) -> torch.Tensor:
+    """rows ``send_rows`` of ``x`` out (``send_splits`` per rank), ``recv_splits`` rows in, put
+    in order by ``recv_index``: one all_to_all_single, two local copies of this rank's rows."""
+    rows, back = _as_rows(x)
+    send = rows.index_select(0, send_rows)
+    recv = torch.empty((sum(recv_splits), rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    dist.all_to_all_single(recv, send, recv_splits, send_splits)
+    return back(recv.index_select(0, recv_index))
+
+
 @torch.no_grad()
 def batch_shuffle(x: torch.Tensor, generator: torch.Generator | None = None):
-    """Shuffle-BN (MoCo): gather the global batch, permute it with a permutation shared by all
-    ranks (drawn on rank 0, broadcast), return this rank's slice and the inverse permutation."""
-    if world_size() == 1:
+    """Shuffle-BN (MoCo): this rank's L rows of the global batch [M = world · L, ...] permuted
+    by a permutation shared by all ranks, and the ``Shuffle`` that ``batch_unshuffle`` undoes
+    (None at world size 1, where ``x`` is returned as is). Every rank must pass the same L.
+
+    The permutation is ``torch.randperm(M, generator=generator)`` on the host: ``generator``
+    (a CPU generator) must be in the same state on every rank (``shuffle_generator(seed,
+    step)``); None draws from this module's generator, seeded alike on every rank when the
+    group is made (``init_process_group``; ``reset_shuffle_generator``). The rows returned are
+    bit for bit those of gathering the global batch and indexing it with ``perm[r·L:(r+1)·L]``
+    (what this did before), in ``x``'s memory format (channels-last kept)."""
+    w = world_size()
+    if w == 1:
         return x, None
-    local = x.shape[0]
-    xs = gather_cat(x)  # [B_global, ...]
-    perm = torch.randperm(xs.shape[0], device=x.device, generator=generator)
-    broadcast_(perm, 0)
-    unshuffle = torch.argsort(perm)
-    r = rank()
-    return xs[perm[r * local:(r + 1) * local]], unshuffle
+    if generator is None:
+        if _shuffle_gen is None:
+            reset_shuffle_generator()
+        generator = _shuffle_gen
+    if generator.device.type != "cpu":
+        raise ValueError("batch_shuffle draws its permutation on the host: pass a CPU generator")
+    perm = torch.randperm(x.shape[0] * w, generator=generator)
+    plan = shuffle_plan(perm, w, rank(), x.device)
+    return _route(x, plan.send_rows_dev, plan.send_splits, plan.recv_splits,
+                  plan.recv_inv_dev), plan
 
 
 @torch.no_grad()
-def batch_unshuffle(x: torch.Tensor, unshuffle: torch.Tensor | None) -> torch.Tensor:
-    """Undo ``batch_shuffle`` on the key encoder outputs: this rank's original rows."""
+def batch_unshuffle(x: torch.Tensor, unshuffle: Shuffle | None) -> torch.Tensor:
+    """Undo ``batch_shuffle`` on the key encoder outputs [L, d]: this rank's original rows.
+    The forward routing run backwards, one all_to_all_single (each rank receives its own L
+    rows, where a gather would bring all M to every rank; no M-row buffer either)."""
     if unshuffle is None:
         return x
-    local = x.shape[0]
-    xs = gather_cat(x)
-    r = rank()
-    return xs[unshuffle[r * local:(r + 1) * local]]
+    p = unshuffle
+    return _route(x, p.recv_order_dev, p.recv_splits, p.send_splits, p.send_inv_dev)
 
 
 # ----------------------------------------------------------------------------------------------

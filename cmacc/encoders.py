@@ -194,10 +194,23 @@ def key_copy(encoder: Encoder) -> Encoder:
 
 
 @torch.no_grad()
-def momentum_update(key: nn.Module, query: nn.Module, m: float) -> None:
-    """θ_key ← m θ_key + (1 − m) θ_query, parameter by parameter (shapes must match)."""
-    for pk, pq in zip(key.parameters(), query.parameters(), strict=True):
-        pk.mul_(m).add_(pq.detach(), alpha=1.0 - m)
+def momentum_pairs(key: nn.Module, query: nn.Module) -> tuple[list, list]:
+    """(key parameters, query parameters) of two modules of the same shapes, in order."""
+    pairs = list(zip(key.parameters(), query.parameters(), strict=True))
+    return [pk.detach() for pk, _ in pairs], [pq.detach() for _, pq in pairs]
+
+
+@torch.no_grad()
+def momentum_update(key: nn.Module | tuple[list, list], query: nn.Module | None = None,
+                    m: float = 0.999) -> None:
+    """θ_key ← m θ_key + (1 − m) θ_query for every parameter (shapes must match), as two
+    multi-tensor ops over all of them (a few launches instead of two per parameter; the same
+    arithmetic, so the same bits). ``key`` may be ``momentum_pairs``' lists (several modules in
+    one update)."""
+    keys, queries = key if query is None else momentum_pairs(key, query)
+    if keys:
+        torch._foreach_mul_(keys, m)
+        torch._foreach_add_(keys, queries, alpha=1.0 - m)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -100,17 +100,22 @@ def format_ci(values, digits: int = 3, signed: bool = False) -> str:
 
 class RunningMeans:
     """Named per-step scalars summed on the device; ``means()`` averages them over the steps
-    since the last call and across ranks (one all-reduce, the only sync)."""
+    since the last call and across ranks (one all-reduce, the only sync). A step added with
+    ``weight`` 0 (a device flag: a skipped, non-finite step) is counted in ``count`` but not in
+    the means, whatever its values (NaN included)."""
 
     def __init__(self, names: tuple[str, ...], device):
         self.names = tuple(names)
-        self.sums = torch.zeros(len(self.names), device=device, dtype=torch.float64)
-        self.count = 0
+        # the sums, then the number of steps they hold (the weights' sum), on the device
+        self.sums = torch.zeros(len(self.names) + 1, device=device, dtype=torch.float64)
+        self.count = 0  # steps added (host)
 
-    def add(self, **values: torch.Tensor) -> None:
+    def add(self, weight: torch.Tensor | float = 1.0, **values: torch.Tensor) -> None:
         if set(values) != set(self.names):
             raise KeyError(f"RunningMeans.add needs exactly {self.names}, got {sorted(values)}")
-        self.sums += torch.stack([values[n].detach().double().reshape(()) for n in self.names])
+        w = torch.as_tensor(weight, dtype=torch.float64, device=self.sums.device).reshape(())
+        v = torch.stack([values[n].detach().double().reshape(()) for n in self.names])
+        self.sums += torch.cat([torch.where(w > 0, v * w, 0.0), w[None]])
         self.count += 1
 
     def _reduced(self) -> torch.Tensor:
@@ -121,20 +126,25 @@ class RunningMeans:
         return sums
 
     def means(self, reset: bool = True) -> dict[str, float]:
-        """Means since the last reset, averaged over ranks (collective when distributed)."""
-        vals = (self._reduced() / max(1, self.count)).tolist()
+        """Means since the last reset, averaged over ranks (collective when distributed), and
+        "steps": how many steps they hold (NaN means where that is 0)."""
+        *sums, steps = self._reduced().tolist()
         if reset:
             self.sums.zero_()
             self.count = 0
-        return dict(zip(self.names, vals))
+        out = {n: (v / steps if steps else float("nan")) for n, v in zip(self.names, sums)}
+        return dict(out, steps=steps)
 
     def state_dict(self) -> dict:
         """The rank-averaged sums (collective when distributed): restored on every rank, the
         next ``means`` equals that of a run that was never interrupted."""
-        return {"sums": self._reduced().cpu(), "count": self.count}
+        sums = self._reduced().cpu()
+        return {"sums": sums[:-1], "steps": sums[-1], "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sums.copy_(state["sums"])
+        steps = state.get("steps", float(state["count"]))  # (before skipped steps were weighed)
+        self.sums.copy_(torch.cat([torch.as_tensor(state["sums"], dtype=torch.float64),
+                                   torch.as_tensor(steps, dtype=torch.float64).reshape(1)]))
         self.count = int(state["count"])
 
 

@@ -22,10 +22,12 @@ import contextlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from . import distributed as du
 from .config import ModelConfig, SelectionConfig, check_method, method_name
-from .encoders import AudioResNet1d, Encoder, key_copy, momentum_update, video_backbone
+from .encoders import (AudioResNet1d, Encoder, key_copy, momentum_pairs, momentum_update,
+                       video_backbone)
 from .queues import KeyPool, KeyQueue
 from .samplers import select, selection_seed
 
@@ -108,6 +110,9 @@ class CMACC(nn.Module):
         # model's device: what the pool refresh (SelectionConfig.pool_refresh) re-encodes
         self.fetch = None
         self._stream = None  # CUDA side stream of the selection (created on first use)
+        # this step's shuffle-BN generator, the same on every rank and after a resume (forward
+        # and cmacc/fill.py set it; None: distributed.py's own)
+        self.shuffle_gen = None
 
     @property
     def method(self) -> str:
@@ -123,19 +128,23 @@ class CMACC(nn.Module):
     # -- no-grad helpers ------------------------------------------------------------------
     @torch.no_grad()
     def _momentum_update_key_encoders(self):
-        m = self.cfg.momentum
+        keys, queries = [], []  # every key parameter and its query source: one update
         for key, query, other in ((self.h_v, self.f_v, self.f_a), (self.h_a, self.f_a, self.f_v)):
-            momentum_update(key.backbone, query.backbone, m)
-            momentum_update(key.head, query.head, m)
+            pairs = [(key.backbone, query.backbone), (key.head, query.head)]
             if key.fcl is not None:  # θ_k^{x,fc} ← m θ_k^{x,fc} + (1−m) θ_q^{other,fc}
-                momentum_update(key.fcl, other.fcl if self.cross_fcl else query.fcl, m)
+                pairs.append((key.fcl, other.fcl if self.cross_fcl else query.fcl))
+            for k, q in pairs:
+                pk, pq = momentum_pairs(k, q)
+                keys += pk
+                queries += pq
+        momentum_update((keys, queries), m=self.cfg.momentum)
 
     @torch.no_grad()
     def encode_keys(self, encoder: Encoder, x: torch.Tensor) -> torch.Tensor:
         """Key encoder forward with shuffle-BN across ranks. [B, ...] → [B, d]."""
         if not self.shuffle_bn:
             return encoder(x)[0]
-        xs, unshuffle = du.batch_shuffle(x)
+        xs, unshuffle = du.batch_shuffle(x, self.shuffle_gen)
         k, _ = encoder(xs)
         return du.batch_unshuffle(k, unshuffle)
 
@@ -143,9 +152,12 @@ class CMACC(nn.Module):
     def forward(self, video, audio, index, step: int, video2=None, audio2=None):
         """Returns (loss, stats) with stats a dict of 0-d tensors (no host sync)."""
         cfg = self.cfg
-        self._momentum_update_key_encoders()
-        q_v, h_v = self.f_v(video)  # [B, d], [B, d_h]
-        q_a, h_a = self.f_a(audio)
+        self.shuffle_gen = du.shuffle_generator(cfg.seed, step)
+        with record_function("momentum"):
+            self._momentum_update_key_encoders()
+        with record_function("query_forward"):
+            q_v, h_v = self.f_v(video)  # [B, d], [B, d_h]
+            q_a, h_a = self.f_a(audio)
         if cfg.objective == "smoco":
             return self._smoco(q_v, q_a, index, video2, audio2)
 
@@ -169,8 +181,10 @@ class CMACC(nn.Module):
             side = self._side_stream(q_v) if self.sel.overlap else None
             with _on(side):
                 t0 = self.timer.start() if self.timer else None
-                sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
-                sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
+                with record_function("select_v"):
+                    sel_v = self._select(self.pool_v, self.dict_v, q_a_all, h_a_all, m, step, 0)
+                with record_function("select_a"):
+                    sel_a = self._select(self.pool_a, self.dict_a, q_v_all, h_v_all, m, step, 1)
                 if self.timer:
                     self.timer.stop("select", t0)  # total time of the selection
                     if side is None:  # in line: the step waited for all of it
@@ -192,8 +206,9 @@ class CMACC(nn.Module):
             stats["gnorm"] = (sel_v.gnorm + sel_a.gnorm) / 2
             stats["fallback"] = torch.maximum(sel_v.fallback, sel_a.fallback)
             stats["enq_index_v"], stats["enq_index_a"] = sel_v.index, sel_a.index
-        loss_va, acc_va = contrastive_loss(q_v, k_a, self.dict_a.keys.clone(), cfg.tau)
-        loss_av, acc_av = contrastive_loss(q_a, k_v, self.dict_v.keys.clone(), cfg.tau)
+        with record_function("loss"):
+            loss_va, acc_va = contrastive_loss(q_v, k_a, self.dict_a.keys.clone(), cfg.tau)
+            loss_av, acc_av = contrastive_loss(q_a, k_v, self.dict_v.keys.clone(), cfg.tau)
         if not active:  # XMoCo (and the pool warm-up of the active samplers)
             self.dict_v.enqueue(k_v_all, index_all)
             self.dict_a.enqueue(k_a_all, index_all)
@@ -241,6 +256,7 @@ class CMACC(nn.Module):
                       engine=dict(precision=self.sel.precision, factors=self.sel.factors,
                                   variant=self.sel.kmeans_variant))
 
+    @record_function("key_forward")
     def _encode_batch_keys(self, video, audio):
         """k_v, k_a [B, d] of this rank's clips and their global [M, d] gathers."""
         k_v = self.encode_keys(self.h_v, video)  # [B, d]
@@ -251,8 +267,9 @@ class CMACC(nn.Module):
         """The CUDA stream the selection runs on (created once), or None off CUDA."""
         if not like.is_cuda:
             return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=like.device)
+        if self._stream is None:  # high priority: its short launches go before the key
+            # encoders' queued kernels instead of waiting behind each of them
+            self._stream = torch.cuda.Stream(device=like.device, priority=-1)
         return self._stream
 
     def _smoco(self, q_v, q_a, index, video2, audio2):

@@ -3,11 +3,13 @@
     from cmacc.config import PRESETS
     summary = Trainer(PRESETS["tiny"].replace(run=dict(steps=50, out="runs/x"))).run()
 
-One iteration (``_train_step``): learning rate, batch to the device (``to_device``: pinned and
-not blocking on CUDA; channels_last_3d video),
-forward under autocast (the model does momentum update, keys, active selection, enqueue and the
-loss: cmacc/model.py), backward, optimiser step; every ``log_every`` steps one log row
-(``_log_interval``: the only host syncs — metrics, rank agreement, stop agreement); a
+One iteration (``_train_step``): learning rate; the batch, already on the device (a background
+thread runs the loader ahead and copies on a copy stream: cmacc/prefetch.py; channels_last_3d
+video); forward under autocast (the model does momentum update, keys, active selection, enqueue
+and the loss: cmacc/model.py), backward, the step's check on the device and the optimiser step
+it gates (cmacc/guard.py: a non-finite step is never applied, and the host learns it one step
+late); every ``log_every`` steps one log row (``_log_interval``: with checkpoints, the only
+points where the host waits for the device's current step — metrics, rank agreement); a
 checkpoint every ``ckpt_every`` steps, at the end and on SIGTERM/SIGINT. Resuming restores the
 weights, optimiser, scaler, RNG, dictionaries, pools and the position in the epoch, so N + N
 steps equal 2N steps bit for bit.
@@ -19,8 +21,9 @@ RNG — and what depends on the world size is re-derived: M / world clips per ra
 over groups of that size, each global batch split world ways. The log says so in one line.
 Only an M that does not divide over the new ranks is refused (``_setup``).
 
-A run-ending condition is agreed by every rank (the per-step all-reduce: a non-finite step,
-more damaged clips than --max-bad-clips on any rank), so every rank stops after the same step
+A run-ending condition is agreed by every rank (the per-step all-reduce, read one step late: a
+non-finite step, more damaged clips than --max-bad-clips on any rank, a stop signal), so every
+rank stops after the same step
 with the same line, said by every rank before any exits (``_end_together``); under torchrun the line is kept in OUT/stopped.json, and a restarted
 attempt of the same job repeats it at once instead of redoing the work into the same failure
 (``_repeat_an_agreed_stop``).
@@ -42,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from data_dali.cli import Interrupted, UserError, output_folder, say_error
 from data_dali.fileio import (FolderBusy, FolderLockError, hold_folder, sweep_temporaries,
@@ -51,10 +55,15 @@ from . import amp
 from . import checkpoint as ckpt
 from . import distributed as du
 from .config import Config, DataConfig, config_hash
-from .data import clip_fetcher, data_record, describe_data, loader_line, train_loader
+from .data import (clip_fetcher, data_record, describe_data, keep_clips_on_device, loader_line,
+                   train_loader)
+from .devices import autotune_convolutions, cuda_needs
+from .fill import fill_epoch_pools, first_selecting_step, init_dictionaries
+from .guard import GuardedAdam, NonFiniteLoss, StepGuard
 from .metrics import (RunningMeans, SectionTimer, model_flops_per_clip, negative_diversity,
                       peak_flops)
 from .model import CMACC
+from .prefetch import Prefetcher
 from .runlog import MetricsWriteError, RunLogger, StepMetrics, summarise, truncate_rows
 
 log = logging.getLogger("cmacc")
@@ -65,110 +74,10 @@ class UsageError(UserError, ValueError):
     what to do. ``train.py`` prints it as one line and exits 2."""
 
 
-# the oldest Linux driver of each CUDA release (NVIDIA's CUDA toolkit release notes)
-MIN_DRIVER = {"13.0": "580.65.06", "12.9": "575.51.03", "12.8": "570.26", "12.6": "560.28.03",
-              "12.4": "550.54.14", "12.1": "530.30.02", "11.8": "520.61.05"}
-
-
-def cuda_needs() -> str:
-    """What the installed torch needs from the driver and what nvidia-smi found, in words."""
-    import shutil
-    import subprocess
-
-    built = torch.version.cuda
-    need = (f"torch {torch.__version__} is a CPU-only build" if built is None else
-            f"torch {torch.__version__} is built for CUDA {built}, which needs an NVIDIA driver "
-            f">= {MIN_DRIVER.get(built, 'of CUDA ' + built)}")
-    found = "no nvidia-smi on PATH (no NVIDIA driver?)"
-    if shutil.which("nvidia-smi"):
-        try:
-            p = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, timeout=30)
-            drivers = sorted(set(p.stdout.split()))
-            found = (f"driver {', '.join(drivers)}" if p.returncode == 0 and drivers else
-                     f"nvidia-smi fails ({(p.stderr or p.stdout).strip()[:120] or p.returncode})")
-        except (OSError, subprocess.SubprocessError) as e:
-            found = f"nvidia-smi fails ({e})"
-    return f"{need}; found: {found}"
-
-
 def agreed(e: Exception) -> Exception:
     """``e``, marked as raised by every rank after the same step (an agreed stop)."""
     e.agreed = True
     return e
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN/Inf; the last good checkpoint is kept."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Dictionaries and pools from encoded clips (paper Alg. 1 lines 3-4 and 6-7)
-# ----------------------------------------------------------------------------------------------
-def to_device(batch: dict, device: torch.device) -> dict:
-    """The batch with its tensors on ``device``. To CUDA, a host tensor is pinned first (unless
-    the loader pinned it) and copied with ``non_blocking=True``: the copy is queued on the current
-    stream and the host goes on queueing the step instead of waiting for the previous step's
-    update (the caching host allocator keeps the pinned buffer until the copy has run). Any other
-    device: ``.to`` as it is."""
-    cuda = torch.device(device).type == "cuda"
-    out = {}
-    for name, v in batch.items():
-        if torch.is_tensor(v):
-            if cuda and v.device.type == "cpu" and not v.is_pinned():
-                v = v.pin_memory()
-            v = v.to(device, non_blocking=cuda)
-        out[name] = v
-    return out
-
-
-@torch.no_grad()
-def encode_random_clips(model, loader, n, device, seed):
-    """Key-encoder outputs (k_v, k_a, index) of n random clips of the global dataset (drawn
-    with replacement across passes when the dataset is smaller than n). Same on every rank."""
-    ks_v, ks_a, idx, got = [], [], [], 0
-    g = torch.Generator().manual_seed(seed)
-    while got < n:
-        loader.set_epoch(10_000 + int(torch.randint(0, 1 << 30, (1,), generator=g)))
-        for batch in loader:
-            batch = to_device({k: batch[k] for k in ("video", "audio", "index")}, device)
-            kv, ka = model.encode_clips(batch["video"], batch["audio"])
-            ks_v.append(du.gather_cat(kv))
-            ks_a.append(du.gather_cat(ka))
-            idx.append(du.gather_cat(batch["index"]))
-            got += idx[-1].shape[0]
-            if got >= n:
-                break
-    return torch.cat(ks_v)[:n], torch.cat(ks_a)[:n], torch.cat(idx)[:n]
-
-
-def init_dictionaries(model, loader, how, device):
-    """D_v, D_a ← key encodings of K random clips ('encode', the paper) or random unit keys."""
-    if how == "random":
-        return
-    kv, ka, idx = encode_random_clips(model, loader, model.cfg.dict_size, device, model.cfg.seed)
-    model.dict_v.fill(kv, idx)
-    model.dict_a.fill(ka, idx)
-
-
-def fill_epoch_pools(model, loader, device, epoch):
-    """U_v, U_a ← key encodings of N random clips, at each epoch start (pool mode 'epoch')."""
-    kv, ka, idx = encode_random_clips(model, loader, model.sel.pool_size, device,
-                                      model.cfg.seed * 31 + epoch + 1)
-    model.pool_v.fill(kv, idx)
-    model.pool_a.fill(ka, idx)
-
-
-def first_selecting_step(cfg: Config) -> int | None:
-    """The first step (1-based) at which the sampler selects the negatives (None: never, as
-    XMoCo and SMoCo do not select). A rolling pool must first hold the dictionary plus a batch,
-    min(N, K + M) keys, at M keys a step (cmacc/model.py); an epoch pool is filled at once."""
-    sel, m = cfg.selection, cfg.model
-    if sel.sampler == "random" or m.objective != "cross":
-        return None
-    if sel.pool_mode == "epoch":
-        return 1
-    return -(-min(sel.pool_size, m.dict_size + m.batch_size) // m.batch_size) + 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +158,7 @@ class Trainer:
         """Checkpoint: plain containers and tensors only (weights_only loads). Collective: the
         running means are averaged over ranks, rank 0 writes, and every rank learns whether
         the write succeeded (so a full disk stops all ranks, none waits in a collective)."""
+        self._take_records(self.step)  # this step's check completes before anything is saved
         means = self.means.state_dict()
         self.saved_step = self.step
         error = None
@@ -283,7 +193,8 @@ class Trainer:
             return
         code = 1 if isinstance(e, NonFiniteLoss) else 2
         try:
-            ckpt.write_stop(self.out, str(e), code, du.elastic_run_id(), self.step)
+            ckpt.write_stop(self.out, str(e), code, du.elastic_run_id(),
+                            getattr(e, "step", self.step))  # (a non-finite step: the steps before it)
         except Exception as w:  # noqa: BLE001 - the run's own error is the one to report
             log.warning("could not write %s (%s): a restarted attempt will redo the steps since "
                         "the last checkpoint", self.out / ckpt.STOP_FILE, w)
@@ -385,22 +296,32 @@ class Trainer:
         torch.manual_seed(cfg.model.seed)  # identical initial weights on every rank
         views = 2 if cfg.model.objective == "smoco" else 1
         try:
-            self.loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
-                                       seed=cfg.model.seed, rank=self.rank, world=self.world,
-                                       views=views, device=self.device, out=self.out,
-                                       stop_past_limit=False)  # agreed: _nonfinite
+            loader = train_loader(cfg.data, batch_size=cfg.model.batch_size,
+                                  seed=cfg.model.seed, rank=self.rank, world=self.world,
+                                  views=views, device=self.device, out=self.out,
+                                  stop_past_limit=False)  # agreed: StepGuard
         except (FileNotFoundError, ValueError) as e:
             raise UsageError(f"--data {cfg.data.source}: {e}") from None
-        log.info("loader: %s", loader_line(self.loader))
+        where = keep_clips_on_device(loader, self.device)
+        log.info("loader: %s%s", loader_line(loader), where)
+        # the loader runs ahead in a thread; batches come on the device (cmacc/prefetch.py)
+        self.loader = Prefetcher(loader, self.device, depth=cfg.data.prefetch,
+                                 channels_last=cfg.optim.channels_last)
+        autotune_convolutions(self.device, cfg.optim.cudnn_benchmark)
         self.model = model = CMACC(cfg.model, cfg.selection).to(self.device)
         model.shuffle_bn = cfg.run.shuffle_bn
         if cfg.selection.pool_refresh:
-            model.fetch = clip_fetcher(self.loader, self.device)
+            model.fetch = clip_fetcher(loader, self.device)
         if cfg.optim.channels_last:
             model.f_v.to(memory_format=torch.channels_last_3d)
             model.h_v.to(memory_format=torch.channels_last_3d)
-        self.opt = torch.optim.Adam(model.query_parameters(), lr=cfg.optim.lr,
-                                    weight_decay=cfg.optim.weight_decay)
+        # fused Adam: its step is skipped on the device when the guard says so (no host sync)
+        self.opt = GuardedAdam(model.query_parameters(), lr=cfg.optim.lr,
+                               weight_decay=cfg.optim.weight_decay)
+        run = cfg.run
+        self.guard = StepGuard(self.device, self.world, max_skipped=run.max_nonfinite
+                               if run.on_nonfinite == "skip" else 0,
+                               halt_on_nonfinite=run.on_nonfinite == "stop")
         if cfg.optim.compile:  # in place: state-dict keys unchanged, before the DDP wrap
             model.f_v.backbone.compile()
             model.f_a.backbone.compile()
@@ -557,6 +478,7 @@ class Trainer:
             self.skip = self.batch_in_epoch = int(state["batch_in_epoch"])
             self.means.load_state_dict(state["means"])
             self.nonfinite = int(state.get("nonfinite", 0))
+            self.guard.start(self.nonfinite)
             purge = self._drop_rows_after(self.step)
             self.saved_step = self.step
             log.info("resumed run %s from %s at step %d", self.run_id, path, self.step)
@@ -633,13 +555,24 @@ class Trainer:
         self.loader.set_epoch(self.epoch, start=self.skip)  # the checkpoint when resuming)
         self.batch_in_epoch = self.skip  # resuming mid-epoch: the rest of the same epoch
         td, tw = timer.start(), time.perf_counter()
-        for batch in self.loader:
+        with contextlib.closing(iter(self.loader)) as batches:  # (closing stops the thread)
+            ended = self._run_batches(batches, td, tw)
+        if ended:  # the epoch ran out: a save from here on (a stop, the end) names the next one
+            self.epoch, self.skip, self.batch_in_epoch = self.epoch + 1, 0, 0
+
+    def _run_batches(self, batches, td, tw) -> bool:
+        """The steps of one epoch's batches; True if the epoch ran out."""
+        cfg, timer = self.cfg, self.timer
+        for batch in batches:
             if self.step >= cfg.run.steps or self.stop_requested:
-                break
+                return False
             timer.stop("data", td)
             self.waited += time.perf_counter() - tw  # host wall time spent waiting for data
-            self.stats = self._train_step(batch) or self.stats  # None: a skipped step
+            self.stats = self._train_step(batch)
             on_grid = self.step % cfg.run.log_every == 0
+            saving = cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0
+            if on_grid or saving or self.step == cfg.run.steps:
+                self._take_records(self.step)  # waits for this step: a row or a save follows
             if on_grid or self.step == cfg.run.steps:
                 try:
                     self._log_interval(self.stats, reset=on_grid)  # an off-grid last row keeps its sums
@@ -649,37 +582,37 @@ class Trainer:
                 if self.saved_step != self.step:
                     self.save("too many damaged clips")
                 raise agreed(UsageError(self.too_many_bad))
-            if cfg.run.ckpt_every and self.step % cfg.run.ckpt_every == 0:
+            if saving:
                 self.save("interval")
             td, tw = timer.start(), time.perf_counter()
-        else:  # the epoch ran out: a save from here on (a stop, the end) names the next one
-            self.epoch, self.skip, self.batch_in_epoch = self.epoch + 1, 0, 0
+        return True
 
-    def _train_step(self, batch) -> dict | None:
-        """One iteration; None if it was skipped (non-finite, --on-nonfinite skip)."""
-        cfg, dev = self.cfg, self.device
+    def _train_step(self, batch) -> dict:
+        """One iteration, queued without waiting for the device: its update is applied only if
+        the guard finds it finite (on the device); the previous step's record is read here."""
+        cfg, dev, model = self.cfg, self.device, self.model
         ts = self.timer.start()
         for group in self.opt.param_groups:
             group["lr"] = cfg.optim.lr_at(self.step)
-        batch = to_device({k: v for k, v in batch.items()
-                           if k in ("video", "audio", "index", "video2", "audio2")}, dev)
-        video = batch["video"]  # [B, C, T, H, W]
-        if cfg.optim.channels_last:
-            video = video.contiguous(memory_format=torch.channels_last_3d)
+        video = batch["video"]  # [B, C, T, H, W] (channels-last from the prefetcher)
         audio, index = batch["audio"], batch["index"]  # [B, mel, frames], [B]
         kw = {}
         if "video2" in batch:
             kw = dict(video2=batch["video2"], audio2=batch["audio2"])
         if self.flops_clip is None:
-            self.flops_clip = model_flops_per_clip(self.model, video, audio)
+            self.flops_clip = model_flops_per_clip(model, video, audio)
         with amp.precision(dev, cfg.optim.amp):  # autocast (+ the CPU bf16 Conv3d guard)
             loss, stats = self.step_fn(video, audio, index, step=self.step, **kw)
         self.opt.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        bad = self._nonfinite(loss)
-        if bad:
-            self._handle_nonfinite(bad)  # raises, or skips this step's update
-        else:
+        with record_function("backward"):
+            self.scaler.scale(loss).backward()
+        with record_function("optimizer"):
+            grads = [] if self.scaler.is_enabled() else [  # (fp16: the GradScaler checks them)
+                p.grad for p in model.query_parameters() if p.grad is not None]
+            damaged = getattr(self.loader, "bad", None)  # damaged clips met by this rank so far
+            self.opt.skip = skip = self.guard.check(
+                self.step, loss, (model.dict_v.keys, model.dict_a.keys), grads, self.signalled,
+                damaged.count if damaged is not None else 0)
             self.scaler.step(self.opt)
             self.scaler.update()
         self.timer.stop("step", ts)
@@ -687,68 +620,55 @@ class Trainer:
         self.batch_in_epoch += 1
         if self.bar is not None:
             self.bar.update(1)
-        if bad:
-            return None
         self.last_enq = stats["enq_index_v"]
         zero, nan = torch.zeros((), device=dev), torch.full((), float("nan"), device=dev)
         div = (negative_diversity(self.last_enq, self.labels, self.loader.num_classes)
                if self.labels is not None else {"unique_per_m": nan, "coverage": nan})
-        self.means.add(loss=loss.detach().float(), acc=stats["acc"].float(), **div,
-                       gnorm=stats.get("gnorm", nan).float(),
+        self.means.add(weight=1 - skip, loss=loss.detach().float(), acc=stats["acc"].float(),
+                       **div, gnorm=stats.get("gnorm", nan).float(),
                        fallback=stats.get("fallback", zero).float())
+        with record_function("sync"):  # the previous step's check (its work has run by now)
+            self._take_records(self.step - 1)
         return stats
 
-    def _nonfinite(self, loss) -> list[str]:
-        """What is NaN/Inf after this step's backward — the loss, the gradients (fp16: the
-        GradScaler already skips those), the dictionaries — and whether any rank was signalled,
-        agreed by all ranks in one small all-reduce (one host sync per step): a poisoned update
-        is never applied or saved, and every rank stops after the same step. The same
-        all-reduce carries the most damaged clips any rank has met (past --max-bad-clips every
-        rank stops after this step: ``_train_epoch``)."""
-        model = self.model
-        checks = {"loss": torch.isfinite(loss.detach()).all(),
-                  "dictionaries": torch.isfinite(model.dict_v.keys).all()
-                  & torch.isfinite(model.dict_a.keys).all()}
-        grads = [p.grad for p in model.query_parameters() if p.grad is not None]
-        if grads and not self.scaler.is_enabled():
-            checks["gradients"] = torch.isfinite(torch.stack(torch._foreach_norm(grads))).all()
-        damaged = getattr(self.loader, "bad", None)  # damaged clips met by this rank so far
-        flags = torch.cat([(~torch.stack(list(checks.values()))).float(),
-                           torch.tensor([float(self.signalled),
-                                         float(damaged.count if damaged is not None else 0)],
-                                        device=loss.device)])
-        if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        *bad, stop, most_damaged = flags.tolist()
-        self.stop_requested = self.stop_requested or bool(stop)
-        if damaged is not None and most_damaged > damaged.limit:  # every rank, the same step
-            self.too_many_bad = damaged.limit_message(int(most_damaged))
-        return [name for name, b in zip(checks, bad) if b]
+    def _take_records(self, upto: int) -> None:
+        """Act on the guard's records of steps up to ``upto`` (1-based: the steps done): stop
+        requests, damaged clips past the limit (every rank, the same step) and non-finite
+        steps, whose updates the device has already skipped."""
+        damaged = getattr(self.loader, "bad", None)
+        for r in self.guard.read(upto - 1):
+            self.stop_requested = self.stop_requested or r["signalled"]
+            if damaged is not None and r["damaged"] > damaged.limit and not self.too_many_bad:
+                self.too_many_bad = damaged.limit_message(r["damaged"])
+            if r["bad"]:
+                self._handle_nonfinite(r["step"], r["bad"])
 
-    def _handle_nonfinite(self, what: list[str]) -> None:
+    def _handle_nonfinite(self, step: int, what: list[str]) -> None:
+        """Step ``step`` (0-based) was non-finite and not applied: count it, or end the run."""
         run = self.cfg.run
         self.nonfinite += 1
-        where = (f"non-finite {' and '.join(what)} at step {self.step + 1} (lr "
-                 f"{self.cfg.optim.lr_at(self.step):.2e}, amp {self.cfg.optim.amp})")
+        where = (f"non-finite {' and '.join(what)} at step {step + 1} (lr "
+                 f"{self.cfg.optim.lr_at(step):.2e}, amp {self.cfg.optim.amp})")
         if run.on_nonfinite == "skip" and "dictionaries" not in what and \
                 self.nonfinite <= run.max_nonfinite:
             log.warning("%s: step skipped (%d of at most %d)", where, self.nonfinite,
                         run.max_nonfinite)
-            self.opt.zero_grad(set_to_none=True)
             return
         why = ("more than --max-nonfinite steps skipped" if run.on_nonfinite == "skip" and
                "dictionaries" not in what else "")
-        raise NonFiniteLoss(
+        e = NonFiniteLoss(
             f"{where}{'; ' + why if why else ''}: stopped before any update or save; the last "
             f"good checkpoint is {self.store.last or 'none (nothing was saved yet)'}. Lower --lr, "
             "use --amp none or --on-nonfinite skip, and resume from it with --resume auto")
+        e.step = step  # the steps applied before it
+        raise e
 
     def _log_interval(self, stats, reset: bool = True):
         """One metrics row; with the non-finite check, the only host syncs of the loop."""
         cfg, n = self.cfg, self.means.count
-        if n == 0:  # every step since the last row was skipped (non-finite)
-            return
         m = self.means.means(reset=reset)
+        if m["steps"] == 0:  # every step since the last row was skipped (non-finite)
+            return
         du.verify_ranks_agree(self.model, self.chash, self.last_enq, self.step)
         secs = self.timer.collect()
         wall = time.perf_counter() - self.t0

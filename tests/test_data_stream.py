@@ -102,9 +102,11 @@ def test_dali_shards_cover_the_epoch_once_disjointly(manifest):
 
 
 def test_prefetch_is_checked():
+    from data_dali.loader import LoaderConfig  # (run alone, nothing has imported it yet)
+
     for bad in (0, -1, 65, 2.0):
         with pytest.raises(ValueError, match="prefetch"):
-            data_dali.loader.LoaderConfig(batch_size=1, prefetch=bad)
+            LoaderConfig(batch_size=1, prefetch=bad)
 
 
 def test_cpu_outputs_of_a_pipeline_are_copied_to_host_memory_whatever_the_device(manifest):
@@ -125,3 +127,33 @@ def test_cpu_outputs_of_a_pipeline_are_copied_to_host_memory_whatever_the_device
     for tl in out:
         assert isinstance(tl, TensorListCPU) and hasattr(tl, "as_cpu")
         assert output_device(tl, cuda) == torch.device("cpu")
+
+
+def test_the_prefetched_dali_batches_are_the_loaders_and_an_epoch_can_be_left_early(manifest):
+    """Through cmacc.prefetch.Prefetcher (the trainer's thread that runs the loader ahead): the
+    same batches as the DALI loader itself, a mid-epoch start included; an epoch left after two
+    batches ends its thread, and the next one comes whole through the same pipeline."""
+    import contextlib
+    import threading
+
+    from cmacc.prefetch import Prefetcher
+
+    kw = dict(crop=16, clip_frames=2, prefetch=2)
+    plain, ahead = _loader(manifest, **kw), Prefetcher(_loader(manifest, **kw), "cpu", depth=2)
+    for epoch, start in ((0, 0), (1, 5)):
+        plain.set_epoch(epoch, start=start)
+        ahead.set_epoch(epoch, start=start)
+        want, got = list(plain), list(ahead)
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            assert sorted(g) == sorted(w)
+            for k in w:
+                torch.testing.assert_close(g[k], w[k], rtol=0, atol=0)
+    ahead.set_epoch(2)
+    with contextlib.closing(iter(ahead)) as it:
+        next(it), next(it)
+    assert not [t for t in threading.enumerate() if t.name == "cmacc-prefetch"]
+    ahead.set_epoch(3)
+    plain.set_epoch(3)
+    assert [b["index"].tolist() for b in ahead] == [b["index"].tolist() for b in plain]
+    assert ahead.builds == 1

@@ -127,3 +127,74 @@ def test_each_install_option_pins_one_consistent_set(name, cuda):
     assert pins["torchvision"].startswith(f"0.{minor + 15}.")
     assert set(pins) == {"torch", "torchvision", "torchaudio", f"nvidia-dali-cuda{cuda}"}
     assert "-r requirements-common.txt" in (ROOT / name).read_text()
+
+
+def _make_sandbox(tmp_path, stamp=None):
+    """The Makefile and the files its install depends on in a folder of their own, with a stand-in
+    .venv whose install stamp says which CUDA set it holds (newer than the requirements)."""
+    import os
+    import shutil
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    for name in ("Makefile", "requirements.txt", "requirements-cu12.txt",
+                 "requirements-common.txt", "setup.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+        os.utime(tmp_path / name, (1e9, 1e9))  # older than any stamp
+    if stamp:
+        (tmp_path / ".venv" / "bin").mkdir(parents=True)
+        py = tmp_path / ".venv" / "bin" / "python"
+        py.write_text("#!/bin/sh\nexit 0\n")
+        py.chmod(0o755)
+        (tmp_path / ".venv" / stamp).touch()
+    return tmp_path
+
+
+def _make(cwd, *args):
+    import subprocess
+
+    p = subprocess.run(["make", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_cuda_set_installed_is_kept_by_every_later_make_target(tmp_path):
+    """`make install CUDA=12`, then `make test` / `make demo` / `make gpu-check`: the CUDA 12 set
+    is kept, nothing is installed over it (the targets run with it); another CUDA= recreates
+    .venv instead of installing the other torch and DALI into it; a new clone installs CUDA 13."""
+    box = _make_sandbox(tmp_path, stamp=".installed-cuda12")
+    for target in ("test", "demo", "gpu-check"):
+        code, out = _make(box, "-n", target)
+        assert code == 0 and "pip install" not in out and "-m venv" not in out, (target, out)
+    code, out = _make(box, "-n", "install", "CUDA=13")
+    assert "-r requirements.txt" in out and "recreating" in out, out
+    code, out = _make(box, "install", "CUDA=13", "PYTHON=false")  # runs the switch, then stops
+    assert "holds the CUDA 12 set; CUDA=13 asked: recreating .venv" in out, out
+    assert code != 0 and not (box / ".venv").exists()
+    fresh = _make_sandbox(tmp_path / "fresh")
+    code, out = _make(fresh, "-n", "install")
+    assert code == 0 and "-r requirements.txt" in out and "requirements-cu12" not in out, out
+
+
+def test_a_machine_whose_cuda_is_unusable_says_so_before_it_trains_on_the_cpu(
+        tmp_path, monkeypatch, capsys):
+    """Without --device: a CUDA build of torch on a machine with a driver it cannot use trains on
+    the CPU and says so in one line naming the driver needed and found; --device cpu, or a
+    machine without a driver, says nothing."""
+    import subprocess
+
+    import train
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr("torch.version.cuda", "13.0")
+    monkeypatch.setattr("subprocess.run", lambda *a, **k: subprocess.CompletedProcess(
+        a[0], 0, stdout="535.104.05\n", stderr=""))
+    tiny = ["--preset", "tiny", "--clips", "32", "--steps", "1"]
+    for smi, extra, says in ((True, [], True), (True, ["--device", "cpu"], False),
+                             (False, [], False)):
+        monkeypatch.setattr("shutil.which", lambda name, smi=smi: "/usr/bin/nvidia-smi" if smi
+                            else None)
+        out = tmp_path / f"run{len(capsys.readouterr().err)}{smi}{len(extra)}"
+        train.main(tiny + extra + ["--out", str(out)])
+        lines = [l for l in capsys.readouterr().err.splitlines() if "CUDA is not usable" in l]
+        assert len(lines) == (1 if says else 0), lines
+        if says:
+            assert ">= 580.65.06" in lines[0] and "driver 535.104.05" in lines[0], lines

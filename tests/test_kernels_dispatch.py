@@ -164,8 +164,10 @@ def test_select_impl_flag_chooses_the_lazy_race_with_eager_the_default():
     assert sel().impl == "eager" and sel().kmeans_variant == "steps"
     assert sel("--kmeans", "persistent").kmeans_variant == "persistent"
     assert sel("--select-impl", "lazy").kmeans_variant == "lazy"
-    with pytest.raises(ValueError, match="no persistent variant; drop --kmeans persistent"):
-        sel("--select-impl", "lazy", "--kmeans", "persistent")
+    assert sel("--select-impl", "resident").kmeans_variant == "resident"
+    for impl in ("lazy", "resident"):
+        with pytest.raises(ValueError, match="no persistent variant; drop --kmeans persistent"):
+            sel("--select-impl", impl, "--kmeans", "persistent")
     lazy = train.config_from_args(train.build_parser().parse_args(["--select-impl", "lazy"]))
     eager = SelectionConfig(**{**vars(lazy.selection), "impl": "eager"})
     assert config_hash(lazy.model, lazy.selection) == config_hash(lazy.model, eager)

@@ -112,6 +112,27 @@ def test_momentum_update_without_fcl_is_same_modality():
             torch.testing.assert_close(p, 0.9 * before[n] + 0.1 * before["f_" + n[2:]])
 
 
+def test_momentum_update_is_one_multi_tensor_update_with_the_per_parameter_bits(monkeypatch):
+    """Every key parameter in one ``_foreach`` update (a few launches a step, not two per
+    parameter), bit for bit the per-parameter ``mul_(m).add_(q, alpha=1 - m)``."""
+    model = CMACC(*tiny_cfg())
+    for p in model.parameters():
+        p.data.normal_()
+    params, m = dict(model.named_parameters()), model.cfg.momentum
+    want = {}
+    for n, p in params.items():
+        if n.startswith("h_"):
+            x = n[2]
+            src = (f"f_{'a' if x == 'v' else 'v'}" if ".fcl." in n else f"f_{x}") + n[3:]
+            want[n] = p.detach().clone().mul_(m).add_(params[src].detach(), alpha=1.0 - m)
+    calls, real = [], torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda ts, s: calls.append(len(ts)) or real(ts, s))
+    model._momentum_update_key_encoders()
+    assert calls == [len(want)]
+    for n, w in want.items():
+        assert torch.equal(params[n], w), n
+
+
 def test_key_encoders_get_no_gradient():
     model = CMACC(*tiny_cfg(sampler="random"))
     v, a, idx = tiny_batch()

@@ -253,7 +253,7 @@ def _record_copies(monkeypatch):
 
 
 def test_host_batches_are_pinned_and_copied_without_blocking_to_cuda(monkeypatch):
-    from cmacc.trainer import to_device
+    from cmacc.prefetch import to_device
 
     batch = {"video": torch.zeros(2, 3), "audio": torch.zeros(2, 4), "index": torch.arange(2),
              "name": ["a", "b"]}
@@ -272,19 +272,27 @@ def test_host_batches_are_pinned_and_copied_without_blocking_to_cuda(monkeypatch
     assert calls == [("cpu", False, False), ("cpu", False, True), ("cpu", False, False)]
 
 
-def test_the_trainer_moves_every_batch_through_to_device(tmp_path, monkeypatch):
-    from cmacc import trainer
+def test_the_trainer_readies_every_batch_through_the_prefetcher(tmp_path, monkeypatch):
+    """The training batches are readied by the background prefetcher (cmacc/prefetch.py), the
+    dictionaries' clips go through to_device."""
+    from cmacc import fill, prefetch
 
     seen = []
+    real_ready, real_to_device = prefetch.Prefetcher._ready, fill.to_device
 
-    def recording(batch, device):
-        seen.append(sorted(batch))
-        return trainer_to_device(batch, device)
+    def ready(self, batch):
+        seen.append(("prefetch", sorted(batch)))
+        return real_ready(self, batch)
 
-    trainer_to_device = trainer.to_device
-    monkeypatch.setattr(trainer, "to_device", recording)
+    def to_device(batch, device):
+        seen.append(("to_device", sorted(batch)))
+        return real_to_device(batch, device)
+
+    monkeypatch.setattr(prefetch.Prefetcher, "_ready", ready)
+    monkeypatch.setattr(fill, "to_device", to_device)
     train.main(TINY + ["--steps", "2", "--out", str(tmp_path / "run")])
-    assert seen.count(["audio", "index", "video"]) >= 2, seen  # (and the dictionaries' clips)
+    assert seen.count(("prefetch", ["audio", "index", "label", "video"])) >= 2, seen
+    assert ("to_device", ["audio", "index", "video"]) in seen, seen
 
 
 @pytest.mark.parametrize("env,device,sampler,m,refused", [
@@ -362,3 +370,19 @@ def test_steps_below_the_runs_step_say_that_nothing_was_trained(tmp_path, capsys
     assert (f"the run in {tmp_path / 'run'} is already at step 2, past --steps 1: nothing was "
             "trained") in err
     assert sorted(p.name for p in (tmp_path / "run").glob("ckpt_*.pt")) == ["ckpt_00000002.pt"]
+
+
+def test_cudnn_autotuning_is_on_for_cuda_runs_and_a_flag_turns_it_off(monkeypatch):
+    from cmacc.devices import autotune_convolutions
+
+    parser = train.build_parser()
+    assert train.config_from_args(parser.parse_args(TINY)).optim.cudnn_benchmark is True
+    off = train.config_from_args(parser.parse_args(TINY + ["--no-cudnn-benchmark"]))
+    assert off.optim.cudnn_benchmark is False
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    autotune_convolutions("cpu", True)  # other devices: untouched
+    assert torch.backends.cudnn.benchmark is False
+    autotune_convolutions(torch.device("cuda", 0), True)
+    assert torch.backends.cudnn.benchmark is True
+    autotune_convolutions("cuda", off.optim.cudnn_benchmark)
+    assert torch.backends.cudnn.benchmark is False

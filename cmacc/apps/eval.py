@@ -448,7 +448,7 @@ def main(argv=None):
         p.error(f"--max-bad-clips must be >= 0, got {args.max_bad_clips}")
     setup_logging()
     if args.device == "cuda" and not torch.cuda.is_available():
-        from cmacc.trainer import cuda_needs
+        from cmacc.devices import cuda_needs
 
         raise UserError(f"--device cuda: CUDA is not usable: {cuda_needs()}; install for your "
                         "driver (README, Install: make install CUDA=12) or use --device cpu")

@@ -14,7 +14,7 @@ import torch
 from cmacc.config import POOL_MODES, ModelConfig, SelectionConfig
 from cmacc.metrics import negative_diversity
 from cmacc.model import CMACC
-from cmacc.trainer import fill_epoch_pools
+from cmacc.fill import fill_epoch_pools
 
 from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
 from .nets import SmallCNN, augment
@@ -274,7 +274,7 @@ def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[
 
 
 class PairsLoader:
-    """The training pairs as the loader ``cmacc.trainer.fill_epoch_pools`` reads: ``set_epoch``
+    """The training pairs as the loader ``cmacc.fill.fill_epoch_pools`` reads: ``set_epoch``
     picks the order (a seed), iterating gives whole batches of M pairs ({"video": x,
     "audio": y, "index"}) in that random order, one pass."""
 

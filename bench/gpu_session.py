@@ -1,0 +1,334 @@
+"""`make gpu-session`: one lent GPU turned into every figure, in one call of at most 9 minutes.
+
+    python3 bench/gpu_session.py [--out DIR] [--budget-s 480] [--part NAME ...]
+                                 [--pairs 3] [--dali-manifest CSV] [--dry-run]
+
+Written for a machine with torch and triton but no package index (it never installs anything:
+`make gpu-session` runs it with `$(PYTHON)`, python3 by default). Every figure goes to
+``DIR/session.jsonl`` (default ``$OUT``, else runs/gpu_session), one JSON line per part, written
+and flushed (fsync) AS EACH PART ENDS; each part runs in a process of its own (as in
+bench/gpu_check.py), so a part that raises, crashes the interpreter or hangs past its time cap
+costs only its own line, and a call cut off at its time limit loses nothing already written.
+
+Lines, in this order (``part`` names each; docs/GPU.md, "The prepared GPU session", lists
+every key):
+
+0. ``env``: device name, SM count, memory, compute capability, torch / triton / CUDA / cuDNN /
+   driver versions, commit, and the clocks, power and temperature nvidia-smi reads;
+1. ``pairs``: ``train.py --preset paper`` (AMP bf16, channels-last, the in-memory synthetic
+   clips, M = 128, K = 3,840, N = 38,400, the paper's r3d_18 / ResNet-18 encoders) through
+   ``cmacc.trainer.Trainer`` itself, random against active in ``--pairs`` alternating pairs
+   (random, active, random, active, ...): each run a fresh trainer, its pools filled with random
+   unit keys before its first step (so active selects from step 1), 4 warm-up steps then 16
+   timed; per run the trainer's own metrics (step, data wait, selection total / visible,
+   clips/s, MFU); then active / random per pair and the mean with its 95 % t-interval
+   (``cmacc.metrics.mean_ci``);
+2. ``profile``: a ``torch.profiler`` trace (CPU + CUDA) of 10 active steps of the same trainer:
+   ``profile_trace.json.gz``, ``profile_kernels.csv`` (name, calls, total and mean CUDA us per
+   kernel), the top 20 kernels, and the totals of every ``record_function`` range that appears;
+3. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
+   channels-last-3d, bf16), forward and backward TFLOP/s with cuDNN autotuning
+   (``torch.backends.cudnn.benchmark``) off and on, and the whole video encoder's
+   forward + backward at both;
+4. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
+   per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
+   "absent" where it is not there);
+5. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
+   warm-up (compile) time and the step time, or the error line;
+6. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
+   k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
+   (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
+   bf16 r3d_18 key-encoder forward on the main stream, at default and at high priority;
+7. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
+   a line saying why it was skipped;
+8. ``ncu``: Nsight Compute (``--set basic``, 3 launches) on the selection's kernels:
+   ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
+
+and a closing ``end`` line (failed and skipped parts, the clocks after the session).
+
+Time: ``--budget-s`` (default 480 s) for the whole session; each part has a time cap (PARTS
+below) and is given at most the budget left; a part is skipped, with a line that says so and
+the command that runs it alone, when less is left than it needs. A failed part's line names how
+it ended, its error, the figures it had reported so far and the command that reruns it alone
+(``--part NAME``). Exit status 1 if a part failed, 2 without a GPU (unless ``--dry-run``).
+
+This file is the driver (the parts' table, the budget, one process per part, the lines); the
+parts are in bench/session_parts.py and what they share (sizes, timers, the trainer run) in
+bench/session_common.py. It puts the repository root on sys.path itself, so it runs where the
+project is not installed.
+
+``--dry-run``: every part on the CPU at the tiny preset's sizes (a few steps, N = 192; the
+select part through the Triton interpreter), in well under a minute: the same lines and keys,
+no meaningful figures. tests/test_gpu_session.py runs it. ``--fail-part NAME`` (a testing hook)
+makes that part's process abort at its start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402  (no CUDA call at import time, here or in the parts' modules)
+
+from bench.gpu_check import _env_without_interpreter, _how_it_ended  # noqa: E402
+from bench.session_common import Skipped, nvidia_smi_clocks  # noqa: E402
+from bench.session_parts import (ncu_target, part_compile, part_convs, part_dali,  # noqa: E402
+                                 part_env, part_loader, part_ncu, part_pairs, part_profile,
+                                 part_select)
+from data_dali.cli import first_line  # noqa: E402
+from data_dali.fileio import atomic_write_text  # noqa: E402
+
+SCRIPT = Path(__file__).resolve()
+REPORT_ENV = "GPU_SESSION_REPORT"  # where a part's process writes its figures (JSON)
+LINES = "session.jsonl"
+HEAD = ("part", "status", "seconds", "cap_s")  # every line starts with these
+SKIPPED = ("why",)
+FAILED = ("how", "error", "rerun", "partial")
+END = ("failed", "skipped", "budget_s", "clocks")
+
+
+def _finite(x):
+    """JSON has no NaN / inf: None instead (at any depth)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    fn: object  # fn(args, report) -> figures
+    cap_s: float  # the part's time limit
+    min_s: float  # skipped when less of the budget than this is left
+    keys: tuple  # its figures, in this order
+
+
+PARTS = {  # in the order they run: the most valuable first
+    "pairs": Spec(part_pairs, 200, 90, (
+        "preset", "warmup_steps", "timed_steps", "pairs", "runs", "step_ratio", "step_ratio_mean",
+        "step_ratio_ci95", "iter_ratio", "iter_ratio_mean", "iter_ratio_ci95",
+        "cudnn_benchmark")),
+    "profile": Spec(part_profile, 90, 40, (
+        "steps", "wall_ms_per_step", "all_threads", "what", "trace", "trace_bytes", "trace_holds",
+        "kernels_csv", "kernel_count", "kernel_ms_per_step", "top20", "ranges", "ranges_missing",
+        "other_ranges", "run")),
+    "convs": Spec(part_convs, 75, 30, (
+        "dtype", "batch", "input", "layout", "flops", "layers", "encoder", "peak_tflops")),
+    "loader": Spec(part_loader, 50, 20, (
+        "batch", "clips", "make_s", "batch_mb", "batches", "gather_ms", "pin_ms", "h2d_ms",
+        "h2d_gb_s", "serial_batches_per_s", "prefetch", "prefetch_batches_per_s",
+        "prefetch_speedup")),
+    "compile": Spec(part_compile, 150, 60, (
+        "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error")),
+    "select": Spec(part_select, 60, 25, (
+        "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
+        "selections_ms", "beside")),
+    "dali": Spec(part_dali, 60, 20, ("manifest", "summary", "clips_per_s")),
+    "ncu": Spec(part_ncu, 90, 30, ("command", "report", "csv", "kernels")),
+}
+ENV = Spec(part_env, 60, 0, (
+    "device", "sm_count", "memory_gib", "capability", "l2_mib", "torch", "triton", "cuda",
+    "cudnn", "driver", "versions", "commit", "date", "python", "cpu_count", "clocks", "dry_run",
+    "budget_s"))
+FAIL_ENV = "GPU_SESSION_FAIL"  # the --fail-part hook, as the parts' processes see it
+
+
+def spec(name: str) -> Spec:
+    return ENV if name == "env" else PARTS[name]
+
+
+# ---------------------------------------------------------------------------------------------
+# the session: each part in a process of its own, its line appended as soon as it ends
+# ---------------------------------------------------------------------------------------------
+def write_line(path: Path, line: dict) -> None:
+    """Append one JSON line and force it to disk (a timeout or crash later loses nothing)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(_finite(line)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def part_line(name: str, status: str, seconds: float, cap: float, body: dict) -> dict:
+    """A part's line: HEAD, then its figures in spec(name).keys order (ok), or SKIPPED / FAILED."""
+    keys = {"ok": spec(name).keys, "skipped": SKIPPED, "failed": FAILED}[status]
+    return {"part": name, "status": status, "seconds": round(seconds, 2), "cap_s": cap,
+            **{k: body.get(k) for k in keys}}
+
+
+def common_argv(args) -> list[str]:
+    """The options that a part's process and a rerun command carry."""
+    out = ["--dry-run"] if args.dry_run else []
+    out += ["--pairs", str(args.pairs)] if args.pairs != 3 else []
+    out += ["--dali-manifest", args.dali_manifest] if args.dali_manifest else []
+    return out
+
+
+def rerun_command(name: str, args) -> str:
+    return " ".join(["python3 bench/gpu_session.py --part", name, *common_argv(args)])
+
+
+def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, float]:
+    """(status, body, seconds) of one part run in its own process within ``timeout`` s."""
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        env = _env_without_interpreter() if not args.dry_run else dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)
+        if args.dry_run and name in ("select", "ncu"):  # Triton kernels on CPU tensors
+            env["TRITON_INTERPRET"] = "1"
+        env[REPORT_ENV] = str(report)
+        if args.fail_part:
+            env[FAIL_ENV] = args.fail_part
+        argv = [sys.executable, str(SCRIPT), "--one", name, "--out", str(out),
+                "--cap", f"{timeout:.0f}", *common_argv(args)]
+        timed_out = False
+        try:
+            rc = subprocess.run(argv, cwd=ROOT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc, timed_out = None, True
+        try:
+            got = json.loads(report.read_text()) if report.exists() else {}
+        except ValueError:
+            got = {}
+    secs = time.monotonic() - t0
+    if rc == 0 and got.get("status") in ("ok", "skipped"):
+        return got["status"], got.get("figures", {}) if got["status"] == "ok" else got, secs
+    how = _how_it_ended(rc, timed_out, timeout)
+    return "failed", dict(how=how, error=got.get("error"), rerun=rerun_command(name, args),
+                          partial=got.get("figures", {})), secs
+
+
+def run_session(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = out / LINES
+    t_start = time.monotonic()
+    status, body, secs = run_part("env", args, out, ENV.cap_s)
+    write_line(lines, part_line("env", status, secs, ENV.cap_s, body))
+    print(f"env: {status} ({secs:.0f} s): {body.get('device') or body.get('error')}", flush=True)
+    failed, skipped = [], []
+    for name in args.part or PARTS:
+        s = PARTS[name]
+        left = args.budget_s - (time.monotonic() - t_start)
+        if left < s.min_s:
+            why = (f"budget: {max(0.0, left):.0f} s left of --budget-s {args.budget_s:.0f}, this "
+                   f"part needs at least {s.min_s:.0f} s (cap {s.cap_s:.0f} s); run it alone: "
+                   f"{rerun_command(name, args)}")
+            write_line(lines, part_line(name, "skipped", 0.0, s.cap_s, dict(why=why)))
+            skipped.append(name)
+            print(f"{name}: skipped ({why})", flush=True)
+            continue
+        cap = min(s.cap_s, left)
+        status, body, secs = run_part(name, args, out, cap)
+        write_line(lines, part_line(name, status, secs, cap, body))
+        if status == "failed":
+            failed.append(name)
+            print(f"{name}: FAILED: {body['how']}: {body['error']}; rerun alone: "
+                  f"{body['rerun']}", flush=True)
+        else:
+            if status == "skipped":
+                skipped.append(name)
+            print(f"{name}: {status} ({secs:.0f} s)", flush=True)
+    total = time.monotonic() - t_start
+    write_line(lines, {"part": "end", "status": "failed" if failed else "ok",
+                       "seconds": round(total, 2), "cap_s": args.budget_s, "failed": failed,
+                       "skipped": skipped, "budget_s": args.budget_s,
+                       "clocks": nvidia_smi_clocks()})
+    print(f"session: {total:.0f} s, {len(failed)} failed {failed}, {len(skipped)} skipped "
+          f"{skipped}; lines in {lines}", flush=True)
+    return 1 if failed else 0
+
+
+def run_one(name: str, args) -> int:
+    """The body of a part's own process: its figures (or why it skipped, or its error) as JSON
+    where the session reads them (REPORT_ENV), rewritten at each report() so that a crash or
+    a timeout keeps what was measured. Exit 0 ok or skipped, 1 failed."""
+    dest = os.environ.get(REPORT_ENV)
+    state = {"status": "running", "figures": {}}
+
+    def save():
+        if dest:
+            atomic_write_text(Path(dest), json.dumps(_finite(state)))
+
+    def report(**figures):
+        state["figures"].update(figures)
+        save()
+
+    if os.environ.get(FAIL_ENV) == name:  # the testing hook: this part's process dies
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file left behind)
+        os.abort()
+    if not args.dry_run:
+        os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        figures = spec(name).fn(args, report)
+        state.update(status="ok", figures={k: figures.get(k) for k in spec(name).keys})
+        rc = 0
+    except Skipped as e:
+        state.update(status="skipped", why=str(e))
+        rc = 0
+    except Exception as e:  # noqa: BLE001 - this part's failure, in its line
+        state.update(status="failed", error=f"{type(e).__name__}: {first_line(e, 500)}")
+        rc = 1
+        import traceback
+
+        traceback.print_exc()
+    save()
+    return rc
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_session"),
+                   help=f"folder for {LINES} and the parts' files (default $OUT, else "
+                        "runs/gpu_session)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="seconds for the whole session (default 480: one 10-minute device call "
+                        "with room for the machine's start)")
+    p.add_argument("--part", nargs="+", choices=tuple(PARTS), help="run only these parts")
+    p.add_argument("--pairs", type=int, default=3,
+                   help="pairs part: alternating random / active pairs (default 3)")
+    p.add_argument("--dali-manifest", metavar="CSV",
+                   help="dali part: clips prepared elsewhere (cmacc-prepare's manifest.csv)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="every part on the CPU at tiny sizes: the lines, not the figures")
+    p.add_argument("--fail-part", choices=tuple(PARTS), help=argparse.SUPPRESS)  # testing hook
+    p.add_argument("--one", choices=("env", *PARTS), help=argparse.SUPPRESS)  # a part's process
+    p.add_argument("--cap", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--ncu-target", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.pairs < 1 or args.budget_s <= 0:
+        p.error("--pairs must be >= 1 and --budget-s > 0")
+    if args.dali_manifest:  # the parts run from the repository root, not from here
+        args.dali_manifest = str(Path(args.dali_manifest).resolve())
+    args.out = str(Path(args.out).resolve())
+    if args.ncu_target:
+        return ncu_target(args)
+    if args.one:
+        return run_one(args.one, args)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench/gpu_session.py needs a CUDA GPU (torch.cuda.is_available() is False here); "
+              "on a CPU machine `python bench/gpu_session.py --dry-run` checks the plumbing",
+              file=sys.stderr)
+        return 2
+    return run_session(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

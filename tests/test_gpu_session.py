@@ -1,0 +1,163 @@
+"""bench/gpu_session.py off a GPU: its --dry-run runs every part on the CPU at tiny sizes and
+writes one JSON line per part, in order, with the keys the GPU session writes (the env line
+first, the end line last); a part whose process dies costs only its own line, which names how it
+ended and the command that reruns it alone. (The figures themselves are taken on a GPU.)"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import gpu_session as gs  # noqa: E402
+from bench import session_parts as sp  # noqa: E402
+
+NCU_CSV = "\n".join([
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+    '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"',
+    '"0","1","python3","h","_grad_embed_kernel","1","7","(128, 1, 1)","(300, 1, 1)","0","9.0",'
+    '"GPU Speed Of Light Throughput","Duration","us","12.35"',
+    '"0","1","python3","h","_grad_embed_kernel","1","7","(128, 1, 1)","(300, 1, 1)","0","9.0",'
+    '"Launch Statistics","Registers Per Thread","register/thread","96"',
+    '"1","1","python3","h","_kmeanspp_step_kernel","1","7","(128, 1, 1)","(300, 1, 1)","0","9.0",'
+    '"GPU Speed Of Light Throughput","Duration","us","4.10"',
+])
+
+# a stand-in for Nsight Compute: runs the profiled command, writes a report and its CSV
+FAKE_NCU = f'''#!{sys.executable}
+import subprocess, sys
+argv = sys.argv[1:]
+if "--import" in argv:
+    print({NCU_CSV!r})
+    sys.exit(0)
+app = next(i for i, a in enumerate(argv) if a.endswith("gpu_session.py")) - 1
+rc = subprocess.run(argv[app:]).returncode
+open(argv[argv.index("-o") + 1] + ".ncu-rep", "w").write("report")
+sys.exit(rc)
+'''
+
+
+def _session(tmp_path, *extra, path_dirs=()):
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "TRITON_INTERPRET")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PATH"] = os.pathsep.join([*map(str, path_dirs), env.get("PATH", "")])
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_session.py"), "--dry-run",
+                        "--out", str(out), *extra], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    lines = [json.loads(ln) for ln in (out / gs.LINES).read_text().splitlines()]
+    return p, out, lines
+
+
+def _keys(line):
+    status = line["status"]
+    body = {"ok": gs.spec(line["part"]).keys, "skipped": gs.SKIPPED, "failed": gs.FAILED}[status]
+    return list(gs.HEAD) + list(body)
+
+
+def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
+    p, out, lines = _session(tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [ln["part"] for ln in lines] == ["env", *gs.PARTS, "end"]
+    for line in lines[:-1]:
+        assert list(line) == _keys(line), line["part"]
+    assert list(lines[-1]) == list(gs.HEAD) + list(gs.END)
+    by = {ln["part"]: ln for ln in lines}
+    assert by["env"]["status"] == "ok" and by["env"]["dry_run"] is True
+    for name in ("pairs", "profile", "convs", "loader", "compile", "select"):
+        assert by[name]["status"] == "ok", by[name]
+    assert by["dali"]["status"] == "skipped" and "dry run" in by["dali"]["why"]
+    assert by["ncu"]["status"] == "skipped" or by["ncu"]["status"] == "ok"  # ncu on PATH or not
+    pairs = by["pairs"]
+    assert [r["sampler"] for r in pairs["runs"]] == ["random", "active"] * 3  # alternating
+    assert len(pairs["step_ratio"]) == 3 and pairs["step_ratio_ci95"] is not None
+    assert all(r["active"] == 1.0 for r in pairs["runs"][1::2])  # active selected every step
+    assert all(r["active"] == 0.0 for r in pairs["runs"][0::2])
+    prof = by["profile"]
+    assert (out / prof["trace"]).is_file() and (out / prof["kernels_csv"]).is_file()
+    assert prof["top20"] and set(prof["ranges"]) | set(prof["ranges_missing"]) == set(sp.RANGES)
+    assert by["convs"]["layers"][0]["input_grad"] is False  # the stem: no input gradient
+    assert all(f"{w}_ms_{m}" in lay for lay in by["convs"]["layers"] for w in ("fwd", "bwd")
+               for m in ("off", "on"))
+    assert set(by["convs"]["encoder"]) >= {"off", "on", "gflop_fwd_bwd"}
+    assert by["loader"]["prefetch"] in ("absent",) or by["loader"]["prefetch_batches_per_s"] > 0
+    assert by["compile"]["error"] is None and by["compile"]["step_ms"] > 0
+    sel = by["select"]
+    assert [r["kmeans"] for r in sel["alone"]] == ["steps", "steps"]
+    assert all("ms" in r for r in sel["alone"]) and set(sel["beside"]) == {"default", "high"}
+    assert lines[-1]["failed"] == [] and lines[-1]["skipped"] == ["dali"] + (
+        ["ncu"] if by["ncu"]["status"] == "skipped" else [])
+
+
+def test_a_crashing_part_costs_only_its_own_line_which_says_how_to_rerun_it(tmp_path):
+    """--fail-part: that part's process aborts (SIGABRT); the parts after it still run and
+    write their lines (ncu here through a stand-in on PATH, dali skipped), the failure line
+    names how it ended and the rerun command, and the session exits 1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ncu = bin_dir / "ncu"
+    ncu.write_text(FAKE_NCU)
+    ncu.chmod(0o755)
+    p, out, lines = _session(tmp_path, "--part", "loader", "dali", "ncu", "--fail-part",
+                             "loader", path_dirs=[bin_dir])
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert [ln["part"] for ln in lines] == ["env", "loader", "dali", "ncu", "end"]
+    for line in lines[:-1]:
+        assert list(line) == _keys(line), line["part"]
+    loader = lines[1]
+    assert loader["status"] == "failed" and "SIGABRT" in loader["how"]
+    assert loader["rerun"] == "python3 bench/gpu_session.py --part loader --dry-run"
+    assert lines[2]["status"] == "skipped"
+    ncu = lines[3]
+    assert ncu["status"] == "ok", ncu
+    assert (out / ncu["csv"]).read_text().strip() == NCU_CSV
+    assert (out / ncu["report"]).is_file()
+    assert [k["name"] for k in ncu["kernels"]] == ["_grad_embed_kernel", "_kmeanspp_step_kernel"]
+    assert ncu["kernels"][0]["Duration"] == "12.35 us"
+    assert "--set basic" in ncu["command"] and "--launch-count 3" in ncu["command"]
+    assert lines[-1]["failed"] == ["loader"] and lines[-1]["status"] == "failed"
+    assert "rerun alone: python3 bench/gpu_session.py --part loader --dry-run" in p.stdout
+
+
+def test_a_part_is_skipped_when_the_budget_left_is_too_small(tmp_path):
+    """No time left: every part's line says it was skipped and how to run it alone (only the
+    env line is measured)."""
+    p, _, lines = _session(tmp_path, "--budget-s", "1", "--part", "select", "ncu")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [(ln["part"], ln["status"]) for ln in lines] == [
+        ("env", "ok"), ("select", "skipped"), ("ncu", "skipped"), ("end", "ok")]
+    assert "--budget-s 1" in lines[1]["why"] and "--part select --dry-run" in lines[1]["why"]
+
+
+def test_without_a_gpu_the_session_names_the_dry_run(capsys, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # on a GPU machine the session runs for real
+    assert gs.main(["--out", str(tmp_path)]) == 2
+    assert "--dry-run" in capsys.readouterr().err
+    assert not (tmp_path / gs.LINES).exists()
+
+
+def test_the_driver_runs_where_the_project_is_not_installed_and_imports_touch_no_cuda(tmp_path):
+    """`python3 bench/gpu_session.py` from another folder, without the editable install (``-S``:
+    no .pth files, torch found through PYTHONPATH): the driver puts the repository root on
+    sys.path and finds its parts' modules; importing them initialises no CUDA context."""
+    import torch
+
+    site = str(Path(torch.__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OUT")}
+    env.update(PYTHONPATH=site, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-S", str(ROOT / "bench" / "gpu_session.py"), "--help"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "--dry-run" in p.stdout and "--part" in p.stdout
+    probe = ("import sys, torch; sys.path.insert(0, sys.argv[1]); import bench.gpu_session as g; "
+             "assert 'bench.session_parts' in sys.modules and g.PARTS['pairs'].fn.__module__ == "
+             "'bench.session_parts'; print(torch.cuda.is_initialized())")
+    q = subprocess.run([sys.executable, "-c", probe, str(ROOT)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert q.returncode == 0 and q.stdout.strip() == "False", q.stdout + q.stderr[-3000:]
