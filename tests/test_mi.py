@@ -537,6 +537,12 @@ def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
     for k in mi.train.FRESHNESS:  # the selection's inputs and the fair pretext accuracy too
         assert all(math.isnan(c) for c in h0[k]) and math.isnan(h0[f"{k}_2nd_half"])
         assert len(h1[k]) == 4 and all(-1 <= c <= 1 for c in h1[k])
+    for k in mi.train.SELECTION_DIAG:  # what the selection sees: measured, the run unchanged
+        assert all(math.isnan(c) for c in h0[k]) and math.isnan(h0[f"{k}_2nd_half"])
+        assert len(h1[k]) == 4 and all(c >= 0 for c in h1[k]) and h1[f"{k}_2nd_half"] >= 0
+    assert all(0 < c <= 1 for c in h1["post_entropy_rel"])
+    assert all(c >= 1 for c in h1["d2_max_mean"] + h1["d2_max_mean_8"])
+    assert h0["selection_diag_cpu_seconds"] == 0 < h1["selection_diag_cpu_seconds"]
 
 
 def _last_enqueued(model, m):
@@ -751,3 +757,100 @@ def test_the_tail_probe_is_the_probe_on_the_tail_characters_test_pairs():
     share = half[te.labels[:, 0]].double().mean().item()
     assert 0 < share < 1
     assert share * a + (1 - share) * b == pytest.approx(every["held_out"], rel=1e-9)
+
+
+def _residual64(keys, queries, tau_p):
+    """softmax(k_n . q_j / tau_p) - onehot(argmax_j), float64 [n, M], computed here."""
+    s = keys.double() @ queries.double().t() / tau_p
+    p = torch.softmax(s, 1)
+    return p - torch.nn.functional.one_hot(s.argmax(1), s.shape[1]).double()
+
+
+def test_tau_p_reaches_the_selection(tmp_path):
+    """--tau-p goes from the command line into MIConfig and each run's settings, and from there
+    into every selection of a CM-ACC run: the temperature the selection is called with is
+    --tau-p's, and the embedding's residuals at it are softmax(k . q / tau_p) - onehot,
+    recomputed here in float64 from the same inputs (and differ from tau_p = 1's)."""
+    from cmacc.apps.mi import cli
+
+    seen = {}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cli, "run", lambda *a, **kw: seen.setdefault("cfg", a[3]))
+    mp.setattr(cli, "_say_outputs", lambda out: None)
+    try:
+        assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1",
+                        "--tau-p", "0.05", "--out", str(tmp_path / "o")]) == 0
+    finally:
+        mp.undo()
+    assert seen["cfg"].tau_p == 0.05 and dataclasses.asdict(seen["cfg"])["tau_p"] == 0.05
+    assert "tau_p = 0.05 (paper: 1.0)" in " ".join(mi.departures(
+        mi.Glyphs(tmp_path / "g"), [1], 100, seen["cfg"], "next", [0]))
+    with pytest.raises(ValueError, match="tau_p must be > 0"):
+        mi.MIConfig(tau_p=0.0)
+
+    import kernels
+    pairs = mi.MultiOmniglotPairs(identity_glyphs([12, 7]), 2, 512, seed=1, drawers=range(0, 14))
+    calls = []
+    real = kernels.select
+
+    def spy(keys, queries, feats, k, *, tau, n, **kw):
+        calls.append((keys[:n].clone(), queries.clone(), feats.clone(), tau))
+        return real(keys, queries, feats, k, tau=tau, n=n, **kw)
+
+    cfg = mi.MIConfig(**{**mi.QUICK, "max_steps": 2, "min_steps": 2, "pool_mode": "epoch",
+                         "tau_p": 0.1})
+    mp.setattr(kernels, "select", spy)
+    try:
+        model, _ = mi.train_one("CM-ACC", pairs, cfg, seed=0)
+    finally:
+        mp.undo()
+    assert model.sel.tau_p == 0.1 and len(calls) == 4  # 2 steps x 2 dictionaries
+    for keys, queries, feats, tau in calls:
+        assert tau == 0.1
+        r, _ = kernels.grad_embed(keys, queries, feats, tau=tau, view="queries")  # alpha = r
+        torch.testing.assert_close(r.double(), _residual64(keys, queries, 0.1),
+                                   rtol=1e-4, atol=1e-5)
+        r1, _ = kernels.grad_embed(keys, queries, feats, tau=1.0, view="queries")
+        assert (r - r1).abs().max() > 0.01  # the temperature changes the residuals
+
+
+@pytest.mark.parametrize("d_h", [4, 10])  # d_h <= M (beta = r H / tau), > M (Gram route)
+@pytest.mark.parametrize("tau_p", [1.0, 0.1])
+def test_selection_spread_against_float64(d_h, tau_p):
+    """The posterior's entropy, the uncertainty factor's spread and the D^2 weights' spread of
+    ``selection_spread`` against the same figures computed here in float64 from materialised
+    embeddings g_n = k_n (x) (r_n H) / tau_p, with the centres the selection's own first picks
+    (``kernels.select``, same seed and exclusion)."""
+    import kernels
+    torch.manual_seed(0)
+    n, m, d = 60, 6, 5
+    keys = torch.nn.functional.normalize(torch.randn(n, d), dim=1)
+    queries = torch.nn.functional.normalize(torch.randn(m, d), dim=1)
+    feats = torch.randn(m, d_h)
+    exclude = torch.zeros(n, dtype=torch.bool)
+    exclude[::7] = True
+    got = mi.train.selection_spread(keys, queries, feats, exclude, tau_p=tau_p, seed=3)
+
+    ok = ~exclude
+    logits = keys.double() @ queries.double().t() / tau_p
+    p = torch.softmax(logits, 1)
+    ent = -(p * p.log()).sum(1)[ok]
+    assert got["post_entropy"] == pytest.approx(float(ent.mean()), rel=1e-5)
+    assert got["post_entropy_rel"] == pytest.approx(float(ent.mean()) / math.log(m), rel=1e-5)
+    p1 = torch.softmax(keys.double() @ queries.double().t(), 1)
+    ent1 = -(p1 * p1.log()).sum(1)[ok]
+    assert got["post_entropy_rel_tau1"] == pytest.approx(float(ent1.mean()) / math.log(m),
+                                                         rel=1e-5)
+    r = _residual64(keys, queries, tau_p)
+    g = (keys.double()[:, :, None] * ((r @ feats.double()) / tau_p)[:, None, :]).flatten(1)
+    gn = g.norm(dim=1)[ok]
+    assert got["gnorm_cv"] == pytest.approx(float(gn.std(unbiased=False) / gn.mean()), rel=1e-4)
+    picks = kernels.select(keys, queries, feats, 9, seed=3, tau=tau_p, exclude=exclude).tolist()
+    for t, suffix in ((1, ""), (8, "_8")):
+        dist = torch.cdist(g, g[picks[:t]]).pow(2).min(1).values  # D^2 after t centres
+        avail = ok.clone()
+        avail[picks[:t]] = False
+        w = dist[avail]
+        assert got[f"d2_cv{suffix}"] == pytest.approx(float(w.std(unbiased=False) / w.mean()),
+                                                      rel=1e-3)
+        assert got[f"d2_max_mean{suffix}"] == pytest.approx(float(w.max() / w.mean()), rel=1e-3)

@@ -33,6 +33,10 @@ FIELD_HELP = {  # MIConfig's fields that need more than their default
     "pool_refresh": "R: batches of M pool pairs re-encoded per step by the current key "
                     "encoders, round robin (no candidate older than pool_mult / R steps), so "
                     "that the selection sees the current model; ",
+    "tau_p": "the pseudo-posterior temperature of CM-ACC's gradient embedding, p_n = "
+             "softmax(k_n . q_j / tau_p) over the M queries (paper eq. 5 and Algorithm 1: 1; "
+             "the trainer's --tau-p); OHEM's scores read it too. Each run records the "
+             "posterior's entropy and the spread of the k-means++ D^2 weights in mi.json; ",
 }
 
 

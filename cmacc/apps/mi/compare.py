@@ -40,7 +40,11 @@ FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen dra
            ("key_cos_2nd_half", "enqueued keys' cosine to fresh keys, 2nd half"),
            ("pool_cos_2nd_half", "pool keys' cosine to fresh keys, 2nd half"),
            ("acc_stored_2nd_half", "pretext accuracy, M stored entries, 2nd half"),
-           ("acc_fresh_2nd_half", "pretext accuracy, the entries re-encoded, 2nd half"))
+           ("acc_fresh_2nd_half", "pretext accuracy, the entries re-encoded, 2nd half"),
+           ("post_entropy_rel_2nd_half", "pseudo-posterior entropy / log M, 2nd half"),
+           ("gnorm_cv_2nd_half", "|g_n| coefficient of variation, 2nd half"),
+           ("d2_cv_2nd_half", "D^2 weights after 1 centre, std/mean, 2nd half"),
+           ("d2_cv_8_2nd_half", "D^2 weights after 8 centres, std/mean, 2nd half"))
 
 
 def load_side(spec: str) -> tuple[dict, str, str]:

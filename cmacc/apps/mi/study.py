@@ -284,6 +284,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         hist["probe_seconds"] = time.perf_counter() - t0
         if selects(m):
             hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
+            hist["tau_p"] = cfg.tau_p
         results["runs"].setdefault(m, {}).setdefault(str(l), []).append(
             {"seed": seed, **{_floor_key("probe", k): v for k, v in acc.items()}, **hist})
         n_done, n_new = n_done + 1, n_new + 1

@@ -15,6 +15,8 @@ from cmacc.config import POOL_MODES, ModelConfig, SelectionConfig
 from cmacc.metrics import negative_diversity
 from cmacc.model import CMACC
 from cmacc.fill import fill_epoch_pools
+from cmacc.samplers import in_sorted, selection_seed
+from kernels import reference
 
 from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
 from .nets import SmallCNN, augment
@@ -72,10 +74,16 @@ class MIConfig:
     pool_refresh: int = 0  # R: batches of M pool pairs re-encoded per step by the current key
     # encoders, round robin, so no candidate is older than pool_mult / R steps (the selection
     # then sees the current model)
+    tau_p: float = 1.0  # the pseudo-posterior temperature of the gradient embedding: p_n =
+    # softmax(k_n . q_j / tau_p) over the batch's M queries (paper eq. 5, Algorithm 1: 1); the
+    # main trainer's --tau-p (SelectionConfig.tau_p). It reaches CM-ACC's embedding and OHEM's
+    # scores; the other samplers do not read it
 
     def __post_init__(self):
         if self.pool_refresh < 0:
             raise ValueError(f"pool_refresh must be >= 0, got {self.pool_refresh}")
+        if not self.tau_p > 0:
+            raise ValueError(f"tau_p must be > 0, got {self.tau_p}")
         for name in ("batch", "dict_mult", "pool_mult", "dim", "width", "max_steps", "window",
                      "patience", "bn_groups"):
             if getattr(self, name) < 1:
@@ -97,7 +105,7 @@ class MIConfig:
 # the paper's values of MIConfig's fields (§4.1, App. A; docs/DESIGN.md §1), for the report's
 # departures
 PAPER_CONFIG = dict(batch=128, dict_mult=30, pool_mult=300, pool_mode="epoch", lr=1e-3,
-                    warmup=500, tau=0.7, momentum=0.999, dim=128)
+                    warmup=500, tau=0.7, momentum=0.999, dim=128, tau_p=1.0)
 DEPARTURE_WHY = {
     "pool_mult": ": the CPU cost: at 300 * M the two selections of a step take ~160-240 ms "
                  "on 2 CPU cores (an active step 2-2.7x a random one at l = 3), at 60 * M "
@@ -108,6 +116,10 @@ DEPARTURE_WHY = {
     "pool_mode": ": the rolling pool holds the key-encoder outputs of the last N / M steps' "
                  "batches; the paper draws N random samples per epoch (--pool-mode epoch)",
     "warmup": ": the paper's warm-up is for 200 epochs of Kinetics; these runs are ~10^3 steps",
+    "tau_p": ": the pseudo-posterior temperature of the gradient embedding (--tau-p), "
+             "softmax(k . q / tau_p) over the M queries; a sharper posterior than eq. 5's, so "
+             "that the uncertainty factor varies across candidates (post_entropy, gnorm_cv and "
+             "the D^2 spread in mi.json measure it)",
 }
 QUICK = dict(batch=32, dict_mult=4, pool_mult=12, warmup=20, min_steps=20, max_steps=60, window=20,
              width=8, dim=32)
@@ -136,7 +148,8 @@ def build_model(method: str, cfg: MIConfig, seed: int) -> CMACC:
                        dim=cfg.dim, fcl=cfg.fcl, fcl_dim=cfg.fcl_dim, momentum=cfg.momentum,
                        tau=cfg.tau, seed=seed)
     sel = SelectionConfig(sampler=sampler, pool_size=cfg.pool_mult * cfg.batch,
-                          pool_mode=cfg.pool_mode, pool_refresh=cfg.pool_refresh)
+                          pool_mode=cfg.pool_mode, pool_refresh=cfg.pool_refresh,
+                          tau_p=cfg.tau_p)
     backbones = (SmallCNN(cfg.width, cfg.bn_groups), SmallCNN(cfg.width, cfg.bn_groups))
     cls = ShuffledKeysCMACC if cfg.bn_groups > 1 else CMACC
     model = cls(mcfg, sel, backbones=backbones)
@@ -257,6 +270,106 @@ def freshness(model: CMACC, pairs: MultiOmniglotPairs, batch: torch.Tensor, step
 
 FRESHNESS = ("pool_cos", "acc_stored", "acc_fresh")
 
+# What CM-ACC's selection sees, every KEY_COS_EVERY steps of a run that selects from a pool
+# (``selection_spread``): for CM-ACC the figures of its own picks; for the other pool samplers
+# (pool-random, ...) what CM-ACC's embedding would see on that run's pool and queries
+SELECTION_DIAG = ("post_entropy", "post_entropy_rel", "post_entropy_rel_tau1", "gnorm_cv",
+                  "d2_cv", "d2_max_mean", "d2_cv_8", "d2_max_mean_8")
+D2_CENTRES = (1, 8)  # the k-means++ D^2 weights are measured after this many centres
+
+
+def _spread(x: torch.Tensor) -> tuple[float, float]:
+    """(coefficient of variation std/mean, max/mean) of non-negative values (population std);
+    NaN for an empty or all-zero x."""
+    x = x.double()
+    mean = float(x.mean()) if x.numel() else 0.0
+    if not mean > 0:
+        return math.nan, math.nan
+    return float(x.std(unbiased=False)) / mean, float(x.max()) / mean
+
+
+@torch.no_grad()
+def selection_spread(pool_keys: torch.Tensor, queries: torch.Tensor, feats: torch.Tensor,
+                     exclude: torch.Tensor, *, tau_p: float, seed: int, view: str = "head",
+                     centres=D2_CENTRES) -> dict[str, float]:
+    """How much CM-ACC's selection of one dictionary has to go on, over the eligible
+    candidates (the pool's n keys [n, d] minus ``exclude`` [n], as ``cmacc.samplers.select``
+    excludes them), from the same factors as the selection (``kernels.reference.
+    select_factors``: queries [M, d] of the other modality, their features [M, d_h], tau_p):
+
+    post_entropy      the mean over candidates of the entropy (nats) of the pseudo-posterior
+                      p_n = softmax(k_n . q_j / tau_p) over the M queries (eq. 5)
+    post_entropy_rel  the same / log M (1: every p_n uniform)
+    post_entropy_rel_tau1  the same at tau_p = 1 (Algorithm 1's posterior) on the same inputs
+    gnorm_cv          the coefficient of variation of |g_n| over candidates: the uncertainty
+                      factor (|g_n| = |k_n| |beta_n|, |k_n| = 1); ~0: nearly constant
+    d2_cv, d2_max_mean          the D^2 weights of k-means++ after its first centre (the
+                      weights of its 2nd draw, over the candidates still available):
+                      std/mean and max/mean (0 and 1: a uniform draw)
+    d2_cv_8, d2_max_mean_8      the same after 8 centres (the 9th draw's weights)
+
+    The centres are the selection's own first picks (the same seed, the same race)."""
+    k = pool_keys.float()
+    ok = ~exclude.to(torch.bool)
+    m = queries.shape[0]
+    logits = k @ queries.float().t()  # [n, M]
+
+    def entropy(tau):  # the mean over the eligible candidates, nats
+        logp = torch.log_softmax(logits / tau, dim=1)  # [n, M]
+        return float(-(logp.exp() * logp).sum(1)[ok].double().mean())
+
+    ent, log_m = entropy(tau_p), math.log(m) if m > 1 else math.nan
+    out = {"post_entropy": ent, "post_entropy_rel": ent / log_m,
+           "post_entropy_rel_tau1": (ent if tau_p == 1 else entropy(1.0)) / log_m}
+    alpha, beta, beta_c, sqn = reference.select_factors(pool_keys, queries, feats, tau=tau_p,
+                                                        view=view)
+    bc = beta if beta_c is None else beta_c
+    avail = ok & torch.isfinite(sqn)
+    out["gnorm_cv"] = _spread(sqn[avail].clamp_min(0).sqrt())[0]
+    want = max(centres)
+    picks = reference.kmeanspp(alpha, beta, min(want, int(avail.sum())), seed=seed,
+                               exclude=~avail, validate=False, beta_c=beta_c, sqn=sqn)
+    dmin = torch.full_like(sqn, math.inf)
+    for t, c in enumerate(picks.tolist(), start=1):
+        d = sqn + sqn[c] - 2.0 * (alpha @ alpha[c]) * (beta @ bc[c])  # [n] d(n, c)
+        dmin = torch.minimum(dmin, d.clamp_min(0.0))
+        avail[c] = False
+        if t in centres:
+            cv, mx = _spread(dmin[avail])
+            suffix = "" if t == 1 else f"_{t}"
+            out[f"d2_cv{suffix}"], out[f"d2_max_mean{suffix}"] = cv, mx
+    for t in centres:  # fewer candidates than centres: not measured
+        suffix = "" if t == 1 else f"_{t}"
+        out.setdefault(f"d2_cv{suffix}", math.nan)
+        out.setdefault(f"d2_max_mean{suffix}", math.nan)
+    return out
+
+
+def measure_selections(model: CMACC, every: int) -> tuple[list, list]:
+    """Wrap ``model._select`` so that every ``every``-th step (step + 1 divisible by it) each
+    dictionary's selection inputs are measured by ``selection_spread`` before the selection
+    runs (a measurement only: no random state, no encoder, nothing written; the selection then
+    runs as it would). Returns (records, cpu): records gets (step, which, figures), cpu[0] the
+    CPU seconds the measurement took."""
+    records, cpu = [], [0.0]
+    select = model._select
+
+    def measured(pool, dictionary, queries, feats, m, step, which):
+        if (step + 1) % every == 0:
+            c = time.process_time()
+            n = pool.count
+            exclude = in_sorted(pool.index[:n], dictionary.index.sort().values)  # U \ D
+            if int((~exclude).sum()) < m:  # as the selection does: the exclusion dropped
+                exclude = torch.zeros_like(exclude)
+            records.append((step, which, selection_spread(
+                pool.keys[:n], queries, feats, exclude, tau_p=model.sel.tau_p,
+                seed=selection_seed(model.cfg.seed, step, which), view=model.sel.grad_view)))
+            cpu[0] += time.process_time() - c
+        return select(pool, dictionary, queries, feats, m, step, which)
+
+    model._select = measured
+    return records, cpu
+
 
 def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[str, float]:
     """Diversity of the negatives one step enqueued (``index``: their pair indices), by the
@@ -302,7 +415,12 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     over the second half of the steps, steps run, why it stopped, seconds (wall) and
     cpu_seconds (this process's CPU time: the cost on a shared host); with epoch pools
     (an active sampler and ``cfg.pool_mode == "epoch"``) the steps at which they were drawn and
-    the time their drawing took (pool_seconds, pool_cpu_seconds; part of the above)."""
+    the time their drawing took (pool_seconds, pool_cpu_seconds; part of the above). Every
+    KEY_COS_EVERY steps, per window and over the second half: the keys' freshness
+    (``enqueued_key_cosine``, ``freshness``) and, in a run that selects from a pool, what the
+    selection sees (``selection_spread``: the posterior's entropy, the spread of the
+    uncertainty factor and of the D^2 weights; selection_diag_cpu_seconds, part of
+    cpu_seconds). Measurements only: the run trains as it would without them."""
     model = build_model(method, cfg, seed)
     if cfg.fresh_picks and selects(method):
         model.reencode = lambda index, which: encode_pairs(model, train, index, which)
@@ -314,7 +432,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     if cfg.pool_refresh and selects(method):
         model.fetch = lambda index: train.batch(index.cpu())
     hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "key_cos": [],
-            **{k: [] for k in FRESHNESS}, "steps": 0,
+            **{k: [] for k in FRESHNESS}, **{k: [] for k in SELECTION_DIAG}, "steps": 0,
             "stop": "max_steps",
             **({"pool_draws": [], "pool_seconds": 0.0, "pool_cpu_seconds": 0.0}
                if epoch_pools else {})}
@@ -322,6 +440,9 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     div = {k: [] for k in DIVERSITY}  # per step
     key_cos = []  # (step, enqueued_key_cosine) every KEY_COS_EVERY steps
     fresh = []  # (step, freshness(...)) every KEY_COS_EVERY steps
+    # (step, dictionary, selection_spread(...)) every KEY_COS_EVERY steps, selecting runs only
+    spread, spread_cpu = (measure_selections(model, KEY_COS_EVERY) if selects(method)
+                          else ([], [0.0]))
     t0, c0 = time.perf_counter(), time.process_time()
     for step in range(cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
@@ -362,6 +483,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
             hist["key_cos"].append(statistics.fmean(window) if window else math.nan)
             for k in FRESHNESS:
                 hist[k].append(_mean([f[k] for s, f in fresh if s > step - cfg.window]))
+            for k in SELECTION_DIAG:  # both dictionaries' measurements in the window
+                hist[k].append(_mean([f[k] for s, _, f in spread if s > step - cfg.window]))
             acc_sum = loss_sum = 0.0
             if log:
                 log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
@@ -379,6 +502,9 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     hist["key_cos_2nd_half"] = statistics.fmean(late) if late else math.nan
     for k in FRESHNESS:
         hist[f"{k}_2nd_half"] = _mean([f[k] for s, f in fresh if s >= hist["steps"] // 2])
+    for k in SELECTION_DIAG:
+        hist[f"{k}_2nd_half"] = _mean([f[k] for s, _, f in spread if s >= hist["steps"] // 2])
+    hist["selection_diag_cpu_seconds"] = spread_cpu[0]  # a part of cpu_seconds
     hist["seconds"] = time.perf_counter() - t0
     hist["cpu_seconds"] = time.process_time() - c0
     return model, hist
