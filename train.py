@@ -90,7 +90,7 @@ FLAGS = {
         ("--select-precision", "selection.precision", dict(choices=SELECT_PRECISIONS, help="GPU selection: tl.dot precision of the gradient embedding")),
         ("--select-factors", "selection.factors", dict(choices=SELECT_FACTORS, help="GPU selection: storage of the embedding factors (bf16 halves k-means++ bytes)")),
         ("--kmeans", "selection.kmeans", dict(choices=KMEANS_VARIANTS, help="GPU k-means++: a launch per step (default) or one persistent launch")),
-        ("--select-impl", "selection.impl", dict(choices=SELECT_IMPLS, help="GPU k-means++: eager (default: every distance each step), lazy (the exponential race touches ~1-10 candidates a step) or resident (the factors held on chip by one cooperative launch; pools that do not fit run eager); same picks; docs/GPU.md")),
+        ("--select-impl", "selection.impl", dict(choices=SELECT_IMPLS, help="GPU k-means++: auto (default: the variant measured fastest on this GPU for the pool's size, else eager), eager (every distance each step; --kmeans picks its form), lazy (the exponential race touches ~1-10 candidates a step) or resident (the factors held on chip by one cooperative launch; pools that do not fit run eager); the same picks; docs/GPU.md")),
         ("--no-select-overlap", "selection.overlap", dict(action="store_const", const=False, help="GPU: run the selection in line instead of on a side stream")),
         ("--fcl", "model.fcl", dict(action="store_const", const=True, help="cross-modal FC layer (default on)")),
         ("--no-fcl", "model.fcl", dict(action="store_const", const=False, help="ablation 'w/o fcl'")),

@@ -31,9 +31,10 @@ POOL_MODES = ("rolling", "epoch")
 SELECT_PRECISIONS = ("ieee", "tf32x3", "tf32")  # tl.dot input precision of the embedding kernel
 SELECT_FACTORS = ("fp32", "bf16")  # storage of the gradient-embedding factors
 KMEANS_VARIANTS = ("steps", "persistent")  # k-means++: a launch per step, or one persistent one
-# k-means++ on a GPU: every D each step, the lazy race, or the factors resident on chip in one
-# cooperative launch (pools that do not fit run the per-step variant: kernels/triton_select.py)
-SELECT_IMPLS = ("eager", "lazy", "resident")
+# k-means++ on a GPU: the variant measured fastest on the device for the pool (auto), every D
+# each step (eager: --kmeans's variant), the lazy race, or the factors resident on chip in one
+# cooperative launch (pools that do not fit run the per-step variant): kernels/triton_select.py
+SELECT_IMPLS = ("auto", "eager", "lazy", "resident")
 DICT_INITS = ("encode", "random")
 AMPS = ("none", "bf16", "fp16")
 LOADERS = ("auto", "dali", "reference")
@@ -143,7 +144,7 @@ class SelectionConfig:
     precision: str = "ieee"
     factors: str = "fp32"
     kmeans: str = "steps"  # not measured on a GPU yet: the default stays the per-step variant
-    impl: str = "eager"  # "lazy": the lazy race (DESIGN.md §1 step 5) on a GPU too; same picks
+    impl: str = "auto"  # the k-means++ variant on a GPU (SELECT_IMPLS); every one, the same picks
     overlap: bool = True  # CUDA: select on a side stream while the key encoders run
     pool_refresh: int = 0  # R: batches of M pool entries re-encoded per step by the current key
     # encoders, round robin, so no candidate's key is older than N / (R * M) steps (0: none, the
@@ -160,7 +161,7 @@ class SelectionConfig:
         _choice("factors", self.factors, SELECT_FACTORS)
         _choice("kmeans", self.kmeans, KMEANS_VARIANTS)
         _choice("impl", self.impl, SELECT_IMPLS)
-        if self.impl != "eager" and self.kmeans == "persistent":
+        if self.impl not in ("eager", "auto") and self.kmeans == "persistent":
             raise ValueError(f"--select-impl {self.impl} runs its own launches: it has no "
                              "persistent variant; drop --kmeans persistent or use "
                              "--select-impl eager")
@@ -175,8 +176,11 @@ class SelectionConfig:
 
     @property
     def kmeans_variant(self) -> str:
-        """kernels.select's ``variant``: the lazy race, the resident kernel, or the eager
-        variant asked for."""
+        """kernels.select's ``variant``: the lazy race, the resident kernel, the eager variant
+        asked for (--select-impl eager, or --kmeans persistent), or "auto" (the plan's choice
+        by measured speed on the device)."""
+        if self.impl == "auto":
+            return "auto" if self.kmeans == "steps" else self.kmeans
         return self.impl if self.impl in ("lazy", "resident") else self.kmeans
 
 

@@ -181,7 +181,9 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
     ``precision`` (tl.dot: ieee | tf32x3 | tf32), ``factors`` (fp32 | bf16 storage of the
     factors) and ``variant`` (steps | persistent | lazy | resident k-means++: a launch per
     step, one persistent launch, the lazy race of kernels/lazy_kmeanspp.py, or one persistent
-    launch holding the factors on chip where the pool fits, else steps; all the same picks) apply
+    launch holding the factors on chip where the pool fits, else steps; "auto": the one measured
+    fastest on the device for the pool's capacity, triton_select.auto_variant; all the same
+    picks) apply
     to the Triton path; the reference computes in fp32 (bf16 factors: rounded as the kernel
     stores them); on CPU tensors its k-means++ is the lazy race for large pools whatever the
     variant (``_seeding``)."""

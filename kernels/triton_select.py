@@ -39,7 +39,7 @@ from . import triton_grad_embed as ge
 from . import triton_kmeanspp as km
 from . import triton_resident as rs
 
-__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "resident_fits",
+__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "resident_fits", "auto_variant",
            "FACTOR_DTYPES", "MAX_PLANS", "INTERPRETED"]
 
 INTERPRETED = ge.INTERPRETED
@@ -206,6 +206,30 @@ def clear_plans() -> None:
         _drop(_PLANS.popitem(last=False)[1])
 
 
+# The k-means++ variant a plan runs for variant "auto" (the trainer's default): the one measured
+# fastest on that device at the pool's capacity; all variants draw the same picks, so the
+# choice changes time only. Measured (bench/RESULTS.md, "GPU check on an H200, 2026-11-27", one
+# dictionary, k = M, a bound plan from its graph): the lazy race is ahead of the per-step
+# variant from N = 38,400 (1.78 / 1.60 against 2.73 / 2.62 ms at M = 128; 3.0-3.3x at 153,600;
+# 1.5x at M = 512 and 4,096 with N = 300 M) and behind it at 9,600 (1.35 against 0.93 ms).
+# Device names not listed (an H100: not measured yet) run the per-step variant, as before;
+# bench/gpu_session.py's select part measures every variant on the card it is given.
+LAZY_FROM = {"H200": 38_400}  # device name contains key -> the lazy race from this capacity on
+
+
+def auto_variant(capacity: int, device) -> str:
+    """``variant="auto"``: "lazy" where it was measured faster on this device for pools of this
+    capacity (``LAZY_FROM``), else "steps" (unmeasured devices, the CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "steps"
+    name = torch.cuda.get_device_name(device)
+    for model, from_n in LAZY_FROM.items():
+        if model in name and capacity >= from_n:
+            return "lazy"
+    return "steps"
+
+
 def _capacity_for(n: int) -> int:
     cap = MIN_CAPACITY
     while cap < n:
@@ -217,9 +241,12 @@ def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision
              factors="fp32", variant="steps") -> SelectPlan:
     """The cached plan for this call. ``n`` given: ``keys`` is a capacity buffer [cap, d] read in
     place (bound). ``n`` None: ``keys`` [N, d] is copied into a plan of capacity rounded up to a
-    power of two (>= MIN_CAPACITY), so varying N costs a bounded number of plans."""
+    power of two (>= MIN_CAPACITY), so varying N costs a bounded number of plans. ``variant``
+    "auto": the one measured fastest on this device for this capacity (``auto_variant``)."""
     reference._check_grad_embed_args(keys, queries, feats, tau, view)
     cap = keys.shape[0] if n is not None else _capacity_for(keys.shape[0])
+    if variant == "auto":
+        variant = auto_variant(cap, keys.device)
     m, d = queries.shape
     dh = feats.shape[1] if (view == "head") else d
     bound = keys if n is not None else None

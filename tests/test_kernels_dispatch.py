@@ -150,10 +150,11 @@ def test_reference_choice_never_needs_triton(monkeypatch):
     assert torch.equal(kernels.select(keys, queries, feats, 5, seed=3), want)
 
 
-def test_select_impl_flag_chooses_the_lazy_race_with_eager_the_default():
+def test_select_impl_flag_forces_a_variant_with_the_measured_choice_the_default():
     """`train.py --select-impl lazy` makes the selection ask kernels.select for the lazy
-    variant; the default stays eager (the --kmeans variant); lazy has no persistent form (a
-    one-line refusal); and, having the same picks, it never changes the checkpoint hash."""
+    variant; the default is "auto" (the plan's measured choice), eager forces the --kmeans
+    variant, and so does --kmeans persistent; lazy and resident have no persistent form (a
+    one-line refusal); and, having the same picks, none changes the checkpoint hash."""
     sys.path.insert(0, str(ROOT))
     import train
     from cmacc.config import SelectionConfig, config_hash
@@ -161,8 +162,10 @@ def test_select_impl_flag_chooses_the_lazy_race_with_eager_the_default():
     def sel(*argv):
         return train.config_from_args(train.build_parser().parse_args(list(argv))).selection
 
-    assert sel().impl == "eager" and sel().kmeans_variant == "steps"
+    assert sel().impl == "auto" and sel().kmeans_variant == "auto"
+    assert sel("--select-impl", "eager").kmeans_variant == "steps"
     assert sel("--kmeans", "persistent").kmeans_variant == "persistent"
+    assert sel("--select-impl", "eager", "--kmeans", "persistent").kmeans_variant == "persistent"
     assert sel("--select-impl", "lazy").kmeans_variant == "lazy"
     assert sel("--select-impl", "resident").kmeans_variant == "resident"
     for impl in ("lazy", "resident"):

@@ -291,3 +291,25 @@ def test_the_persistent_variant_is_refused_under_the_interpreter_with_the_fix():
     keys, queries, feats, _ = _pool(64, 8, 16, 8)
     with pytest.raises(ValueError, match="needs a GPU.*variant='steps'"):
         kernels.select(keys, queries, feats, 4, seed=0, n=64, variant="persistent")
+
+
+def test_the_auto_variant_is_the_one_measured_faster_on_the_device(monkeypatch):
+    """variant="auto" (the trainer's default): the lazy race where it was measured ahead (an
+    H200 from N = 38,400: bench/RESULTS.md), the per-step variant elsewhere (smaller pools,
+    devices not measured, the CPU); a plan asked for "auto" on the CPU runs steps and draws the
+    reference's picks."""
+    names = {"cuda": "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names["cuda"])
+    assert ts.auto_variant(38_400, "cuda") == "lazy" == ts.auto_variant(1 << 20, "cuda:0")
+    assert ts.auto_variant(38_399, "cuda") == "steps" == ts.auto_variant(9_600, "cuda")
+    names["cuda"] = "NVIDIA H100 80GB HBM3"  # not measured yet: today's default
+    assert ts.auto_variant(38_400, "cuda") == "steps"
+    assert ts.auto_variant(1 << 20, "cpu") == "steps"
+    monkeypatch.undo()
+    keys, queries, feats, exclude = _pool(300, 8, 16, 24, seed=3)
+    plan = ts.plan_for(keys, queries, feats, 8, n=300, variant="auto")
+    assert plan.variant == ("steps" if DEV != "cuda" else ts.auto_variant(300, DEV))
+    got = ts.select_triton(keys, queries, feats, 8, seed=11, n=300, exclude=exclude,
+                           variant="auto")
+    want = ref.select(keys, queries, feats, 8, seed=11, exclude=exclude)
+    assert got.tolist() == want.tolist()
