@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.select_pool import dictionary_exclusion, in_sorted  # noqa: F401 (in_sorted: cmacc's)
 
 from .config import SAMPLERS
 
@@ -39,16 +40,6 @@ def grad_norms(keys, queries, feats, *, tau_p, view) -> torch.Tensor:
     """|g_n| = |alpha_n| |beta_n| for each key [n]."""
     alpha, beta = kernels.grad_embed(keys, queries, feats, tau=tau_p, view=view)
     return alpha.norm(dim=1) * beta.norm(dim=1)
-
-
-def in_sorted(x: torch.Tensor, sorted_set: torch.Tensor) -> torch.Tensor:
-    """``torch.isin(x, sorted_set)`` for a sorted set, by binary search: no data-dependent
-    output size, so no host sync on CUDA (``torch.isin`` sorts through ``unique`` there, which
-    waits for the device: twice per dictionary per step)."""
-    if sorted_set.numel() == 0:
-        return torch.zeros_like(x, dtype=torch.bool)
-    pos = torch.searchsorted(sorted_set, x).clamp_max(sorted_set.numel() - 1)  # [n]
-    return sorted_set[pos] == x
 
 
 def selection_seed(base: int, step: int, which: int) -> int:
@@ -78,13 +69,14 @@ def select(
     n = pool_keys.shape[0] if n is None else n
     if n < m:
         raise ValueError(f"select: the pool holds {n} candidates, fewer than m={m}")
-    exclude = in_sorted(pool_index[:n], dict_index.sort().values)  # [n]  U \ D
-    too_few = (~exclude).sum() < m  # [] bool, stays on device
-    exclude = exclude & ~too_few
-    if sampler == "active":
-        idx = kernels.select(pool_keys, queries, feats, m, seed=seed, tau=tau_p, view=view,
-                             exclude=exclude, validate=False, n=n, **(engine or {}))
-    elif sampler == "active-feature":
+    if sampler == "active":  # U \ D, the picks, their keys: one CUDA graph on the Triton path
+        return Selection(*kernels.select_from_pool(
+            pool_keys, pool_index, dict_index, queries, feats, m, seed=seed, n=n, tau=tau_p,
+            view=view, **(engine or {})))
+    valid = torch.arange(pool_keys.shape[0], device=pool_keys.device) < n  # [cap]
+    exclude, too_few = dictionary_exclusion(pool_index, dict_index, valid, m)  # U \ D
+    exclude = exclude[:n]
+    if sampler == "active-feature":
         ones = torch.ones(n, 1, device=pool_keys.device)
         idx = kernels.kmeanspp(pool_keys[:n], ones, m, seed=seed, exclude=exclude,
                                validate=False)

@@ -30,9 +30,10 @@ import torch
 
 from . import reference
 from .lazy_kmeanspp import kmeanspp_lazy
+from .select_pool import select_from_pool_eager
 
-__all__ = ["grad_embed", "kmeanspp", "select", "backend_for", "triton_status", "without_autocast",
-           "max_queries", "TRITON_MAX_M"]
+__all__ = ["grad_embed", "kmeanspp", "select", "select_from_pool", "backend_for", "triton_status",
+           "without_autocast", "max_queries", "TRITON_MAX_M"]
 
 # The most pseudo-labels (queries: the global batch M) the Triton selection serves: up to 256 a
 # candidate's softmax row is one tile, above it the embedding runs over chunks of the row
@@ -203,3 +204,24 @@ def select(keys, queries, feats, k, *, seed, tau=1.0, view="head", exclude=None,
         beta_c = None if beta_c is None else beta_c.to(bf)
     return _seeding(alpha, beta)(alpha, beta, k, seed=seed, exclude=exclude, validate=validate,
                                  beta_c=beta_c, sqn=sqn)
+
+
+@without_autocast
+def select_from_pool(pool_keys, pool_index, dict_index, queries, feats, m, *, seed, n, tau=1.0,
+                     view="head", precision=None, factors="fp32", variant="steps"):
+    """CM-ACC's selection for one dictionary from its pool (kernels/select_pool.py): the
+    candidates are the first ``n`` rows of the pool's capacity buffers (``pool_keys`` [cap, d],
+    ``pool_index`` [cap]) whose clip is not in ``dict_index`` [K] (the exclusion dropped when
+    fewer than m remain); returns (keys [m, d], index [m], gnorm [] the picks' mean |g|,
+    fallback [] 1.0 where the exclusion was dropped). No host sync. On the Triton path the
+    exclusion, the selection and the gathers run in the plan's one CUDA graph
+    (``SelectPlan.run_pool``); elsewhere as eager ops around ``select``."""
+    if backend_for(pool_keys) == "triton":
+        return _triton[2].select_pool_triton(pool_keys, pool_index, dict_index, queries, feats, m,
+                                             seed=seed, n=n, tau=tau, view=view,
+                                             precision=precision, factors=factors,
+                                             variant=variant)
+    return select_from_pool_eager(select, grad_embed, pool_keys, pool_index, dict_index, queries,
+                                  feats, m, seed=seed, n=n, tau=tau, view=view,
+                                  engine=dict(precision=precision, factors=factors,
+                                              variant=variant))

@@ -31,15 +31,18 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 
 import torch
 
 from . import reference
 from . import triton_grad_embed as ge
+from .select_pool import dictionary_exclusion
 from . import triton_kmeanspp as km
 from . import triton_resident as rs
 
-__all__ = ["SelectPlan", "plan_for", "select_triton", "clear_plans", "resident_fits", "auto_variant",
+__all__ = ["SelectPlan", "plan_for", "select_triton", "select_pool_triton", "clear_plans",
+           "resident_fits", "auto_variant",
            "FACTOR_DTYPES", "MAX_PLANS", "INTERPRETED"]
 
 INTERPRETED = ge.INTERPRETED
@@ -50,7 +53,7 @@ MIN_CAPACITY = 1024  # unbound calls round the pool up to a power of two >= this
 
 class SelectPlan:
     def __init__(self, capacity, m, d, dh, k, *, view, tau, precision, factors, variant,
-                 device, keys_dtype=torch.float32, keys_buffer=None, graph=None):
+                 device, keys_dtype=torch.float32, keys_buffer=None, graph=None, pool=None):
         if view not in reference.VIEWS:
             raise ValueError(f"select: view={view!r} is not one of {reference.VIEWS}")
         if factors not in FACTOR_DTYPES:
@@ -106,14 +109,52 @@ class SelectPlan:
         self.thr = torch.zeros(1, **f32) if lazy else None
         self.best = (torch.zeros(k, device=dev, dtype=torch.int64)  # [k] the rounds' race keys
                      if self.variant == "resident" else None)
+        self._bind_pool(pool)
         self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
         self._launch()  # compile, autotune and warm up outside any capture
         if graph if graph is not None else (dev.type == "cuda"
                                             and os.environ.get("CMACC_GRAPH", "1") == "1"):
             self._capture()
 
+    def _bind_pool(self, pool):
+        """``pool`` = (pool_index [cap], dict_index [K]): the pool's and the dictionary's index
+        buffers, read in place, so that the exclusion U \\ D and the gathers of what is enqueued
+        run in the plan (``run_pool``); None: the caller passes the exclusion (``run``)."""
+        self.pool_index = self.dict_index = None
+        if pool is None:
+            return
+        if not self.bound:
+            raise ValueError("select: a plan that reads the pool's index reads its keys in place "
+                             "too (build it with the pool's keys buffer)")
+        self.pool_index, self.dict_index = pool
+        if self.pool_index.shape != (self.capacity,):
+            raise ValueError(f"select: the pool's index buffer must be [capacity="
+                             f"{self.capacity}], got {tuple(self.pool_index.shape)}")
+        dev = self.device
+        self.rows = torch.arange(self.capacity, device=dev, dtype=torch.int32)  # [cap]
+        self.out_keys = torch.zeros(self.k, self.keys.shape[1], device=dev,
+                                    dtype=self.keys.dtype)  # [k, d]
+        self.out_index = torch.zeros(self.k, device=dev, dtype=self.pool_index.dtype)  # [k]
+        self.out_gnorm = torch.zeros((), device=dev)
+        self.out_fallback = torch.zeros((), device=dev)
+
+    def _pool_extras_before(self):
+        """U \\ D over the valid rows, written into ``exclude`` (dropped if fewer than k)."""
+        exclude, too_few = dictionary_exclusion(self.pool_index, self.dict_index,
+                                                self.rows < self.n, self.k)
+        self.exclude.copy_(exclude)
+        self.out_fallback.copy_(too_few)
+
+    def _pool_extras_after(self):
+        """What is enqueued: the picks' keys and indices, and their mean |g| = sqrt(|g_n|^2)."""
+        torch.index_select(self.keys, 0, self.picks, out=self.out_keys)
+        torch.index_select(self.pool_index, 0, self.picks, out=self.out_index)
+        torch.mean(self.sqn.index_select(0, self.picks).sqrt(), dim=0, out=self.out_gnorm)
+
     def _launch(self):
         """Every launch of one selection, on the current stream, from the plan's buffers."""
+        if self.pool_index is not None:
+            self._pool_extras_before()
         if self.gram:
             torch.mm(self.feats, self.feats.t(), out=self.f)  # G = H H^T [M, M]
         ge.embed_into(self.keys, self.queries, self.f, self.alpha, self.beta, self.beta_c,
@@ -123,13 +164,51 @@ class SelectPlan:
         km.launch_seeding(self.alpha, self.beta, bc, self.sqn, self.dmin, self.exclude, self.n,
                           self.picks, self.seed, self.part_score, self.part_idx, self.bar,
                           self.k, self.cfg, self.variant, self.seen, self.thr, self.best)
+        if self.pool_index is not None:
+            self._pool_extras_after()
 
     def _capture(self):
         torch.cuda.synchronize(self.device)  # once per plan, at capture time only
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._launch()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._launch()
+        except RuntimeError as e:  # an op this torch cannot capture: the same launches, eagerly
+            torch.cuda.synchronize(self.device)
+            warnings.warn(f"select: the plan's CUDA graph capture failed ({str(e)[:200]}); its "
+                          "launches run eagerly (the same picks, more launches a selection)",
+                          RuntimeWarning, stacklevel=2)
+            return
         self.graph, self.captures = graph, self.captures + 1
+
+    def _set_inputs(self, n: int, queries, feats, seed: int) -> None:
+        if not self.k <= n <= self.capacity:
+            raise ValueError(f"select: n={n} valid candidates must be in [k={self.k}, "
+                             f"capacity={self.capacity}]")
+        self.queries.copy_(queries)
+        if feats is not None and self.view == "head":
+            self.feats.copy_(feats)
+        self.n.fill_(n)
+        self.seed.fill_(reference.seed32(seed))
+
+    def _replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            self.replays += 1
+        else:
+            self._launch()
+
+    @torch.no_grad()
+    def run_pool(self, n: int, queries, feats, seed: int):
+        """The whole selection from the bound pool (``pool``): (keys [k, d], index [k], gnorm [],
+        fallback []) of the picks among the first n rows not in the dictionary. The index is a
+        copy (it outlives the step in the caller's statistics); keys, gnorm and fallback are the
+        plan's buffers, valid until its next run (the caller enqueues and reduces them first)."""
+        if self.pool_index is None:
+            raise ValueError("select: run_pool needs a plan built with the pool's index buffers")
+        self._set_inputs(n, queries, feats, seed)
+        self._replay()
+        return self.out_keys, self.out_index.clone(), self.out_gnorm, self.out_fallback
 
     @torch.no_grad()
     def run(self, keys, n: int, queries, feats, exclude, seed: int) -> torch.Tensor:
@@ -137,9 +216,9 @@ class SelectPlan:
         buffer (read in place) or any [>= n, d] tensor (its first n rows are copied in, counted
         in ``copies``). ``exclude``: bool [>= n] or None. ``feats`` may be None in the queries
         view."""
-        if not self.k <= n <= self.capacity:
-            raise ValueError(f"select: n={n} valid candidates must be in [k={self.k}, "
-                             f"capacity={self.capacity}]")
+        if self.pool_index is not None:
+            raise ValueError("select: this plan computes its exclusion from the pool: call "
+                             "run_pool")
         if self.bound:
             if keys.data_ptr() != self.keys.data_ptr():
                 raise ValueError("select: this plan reads the pool buffer it was built with; "
@@ -147,20 +226,12 @@ class SelectPlan:
         else:
             self.keys[:n].copy_(keys[:n])
             self.copies += 1
-        self.queries.copy_(queries)
-        if feats is not None and self.view == "head":
-            self.feats.copy_(feats)
+        self._set_inputs(n, queries, feats, seed)
         if exclude is None:
             self.exclude.zero_()
         else:
             self.exclude[:n].copy_(exclude[:n])
-        self.n.fill_(n)
-        self.seed.fill_(reference.seed32(seed))
-        if self.graph is not None:
-            self.graph.replay()
-            self.replays += 1
-        else:
-            self._launch()
+        self._replay()
         return self.picks.clone()
 
 
@@ -238,11 +309,12 @@ def _capacity_for(n: int) -> int:
 
 
 def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision=None,
-             factors="fp32", variant="steps") -> SelectPlan:
+             factors="fp32", variant="steps", pool=None) -> SelectPlan:
     """The cached plan for this call. ``n`` given: ``keys`` is a capacity buffer [cap, d] read in
     place (bound). ``n`` None: ``keys`` [N, d] is copied into a plan of capacity rounded up to a
     power of two (>= MIN_CAPACITY), so varying N costs a bounded number of plans. ``variant``
-    "auto": the one measured fastest on this device for this capacity (``auto_variant``)."""
+    "auto": the one measured fastest on this device for this capacity (``auto_variant``).
+    ``pool`` (pool_index, dict_index): the index buffers a ``run_pool`` plan reads in place."""
     reference._check_grad_embed_args(keys, queries, feats, tau, view)
     cap = keys.shape[0] if n is not None else _capacity_for(keys.shape[0])
     if variant == "auto":
@@ -251,17 +323,28 @@ def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision
     dh = feats.shape[1] if (view == "head") else d
     bound = keys if n is not None else None
     key = (cap, m, d, dh, k, view, float(tau), ge.precision_of(precision), factors, variant,
-           str(keys.device), keys.dtype, None if bound is None else bound.data_ptr())
+           str(keys.device), keys.dtype, None if bound is None else bound.data_ptr(),
+           None if pool is None else tuple(t.data_ptr() for t in pool))
     plan = _PLANS.get(key)
     if plan is None:
         plan = SelectPlan(cap, m, d, dh, k, view=view, tau=tau, precision=precision,
                           factors=factors, variant=variant, device=keys.device,
-                          keys_dtype=keys.dtype, keys_buffer=bound)
+                          keys_dtype=keys.dtype, keys_buffer=bound, pool=pool)
         _PLANS[key] = plan
         while len(_PLANS) > MAX_PLANS:
             _drop(_PLANS.popitem(last=False)[1])
     _PLANS.move_to_end(key)
     return plan
+
+
+def select_pool_triton(pool_keys, pool_index, dict_index, queries, feats, m, *, seed, n,
+                       tau=1.0, view="head", precision=None, factors="fp32", variant="steps"):
+    """kernels.select_from_pool on the Triton path: one plan bound to the pool's keys and
+    index and to the dictionary's index buffers; the exclusion, the embedding, the k-means++
+    seeding and the gathers of what is enqueued replay from its one CUDA graph."""
+    plan = plan_for(pool_keys, queries, feats, m, n=n, tau=tau, view=view, precision=precision,
+                    factors=factors, variant=variant, pool=(pool_index, dict_index))
+    return plan.run_pool(n, queries, feats, seed)
 
 
 def select_triton(keys, queries, feats, k, *, seed, n=None, tau=1.0, view="head",

@@ -313,3 +313,44 @@ def test_the_auto_variant_is_the_one_measured_faster_on_the_device(monkeypatch):
                            variant="auto")
     want = ref.select(keys, queries, feats, 8, seed=11, exclude=exclude)
     assert got.tolist() == want.tolist()
+
+
+def _ref_select_n(keys, queries, feats, k, *, n, exclude, **kw):
+    """The reference selection of a capacity buffer's first n rows."""
+    return ref.select(keys[:n], queries, feats, k, exclude=exclude[:n], **kw)
+
+
+@pytest.mark.parametrize("view", ["head", "queries"])
+def test_the_whole_selection_from_the_pool_in_one_plan_equals_the_eager_composition(
+        monkeypatch, view):
+    """kernels.select_from_pool on the Triton path (the exclusion U \\ D, the selection, the
+    gathers of the picks' keys and indices and their mean |g|, all inside the plan: one CUDA
+    graph on a GPU) against the same steps as eager ops (kernels/select_pool.py, the reference
+    path): the same keys and indices, the same fallback, |g| to float rounding; a pool filled
+    to n < capacity, a dictionary holding some of the pool's clips (and -1, no clip), and a
+    dictionary that leaves fewer than m candidates (the exclusion dropped, fallback 1)."""
+    from kernels.select_pool import select_from_pool_eager
+
+    monkeypatch.setenv("CMACC_KERNELS", "triton")  # the plan path, also on CPU tensors
+    cap, m = 600, 12
+    keys, queries, feats, _ = _pool(cap, m, 16, 40, seed=9)
+    g = torch.Generator().manual_seed(2)
+    pool_index = torch.randperm(5000, generator=g)[:cap].to(DEV)  # [cap] dataset indices
+    dicts = {"some": torch.cat([pool_index[torch.randperm(400, generator=g)[:150].to(DEV)],
+                                torch.full((10,), -1, device=DEV)]),  # [K]
+             "too many": pool_index[:395].clone()}  # n = 400: 5 left < m
+    for n in (400, cap):
+        for which, dict_index in dicts.items():
+            got = kernels.select_from_pool(keys, pool_index, dict_index, queries, feats, m,
+                                           seed=7, n=n, view=view)
+            want = select_from_pool_eager(_ref_select_n, ref.grad_embed, keys, pool_index,
+                                          dict_index, queries, feats, m, seed=7, n=n,
+                                          tau=1.0, view=view, engine={})
+            assert got[1].tolist() == want[1].tolist(), (n, which)
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+            torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
+            assert float(got[3]) == float(want[3]) == float(which == "too many" and n == 400)
+            if which == "some":  # never a clip of the dictionary
+                assert not set(got[1].tolist()) & set(dict_index.tolist())
+    plans = [p for p in ts._PLANS.values() if p.pool_index is not None]
+    assert plans and all(p.pool_index.data_ptr() == pool_index.data_ptr() for p in plans)
