@@ -1,6 +1,7 @@
 """Downstream protocols on frozen or trainable encoders: feature extraction with multi-clip
-averaging, a linear probe (multinomial logistic regression, full-batch L-BFGS), and
-end-to-end fine-tuning."""
+averaging, a linear probe (multinomial logistic regression, full-batch L-BFGS), end-to-end
+fine-tuning, and the baselines every probe's score is printed beside (``baselines``: the
+majority class, and what a clip property such as silent audio scores alone)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,36 @@ def linear_probe(x_train, y_train, x_test, y_test, *, num_classes=None, weight_d
            "n_test": int(x_test.shape[0]), "num_classes": c}
     for name, mask in (subsets or {}).items():
         out[f"top1_{name}"] = hit[mask].double().mean().item() if mask.any() else float("nan")
+    return out
+
+
+def baselines(y_train, y_test, properties=None) -> dict:
+    """What a probe's test top-1 must beat, from the labels and what is recorded of each clip
+    beside them (none of it learnt from the clips' content): ``majority_top1``, the rate of the
+    test split's most common class (``majority_label``; what a classifier that always says it
+    scores), and ``property_top1`` {name: top-1} for each clip property (name → (bool
+    [n_train], bool [n_test]), e.g. silent audio) of the classifier that sees only that
+    property, fitted on the train split: a clip with it is called the most common class of
+    the train clips with it, a clip without it the most common of those without (the train
+    split's most common class where no train clip is so; ties: the smaller label). A probe
+    that scores no more than one of these has not shown that it learnt the classes."""
+    y_train, y_test = torch.as_tensor(y_train), torch.as_tensor(y_test)
+    if y_test.numel() == 0:
+        return {"majority_top1": float("nan"), "majority_label": None, "property_top1": {}}
+    counts = torch.bincount(y_test)
+    out = {"majority_top1": counts.max().item() / y_test.numel(),
+           "majority_label": int(counts.argmax()), "property_top1": {}}
+
+    def mode(y, default):
+        return int(torch.bincount(y).argmax()) if y.numel() else default
+
+    fallback = mode(y_train, out["majority_label"])
+    for name, (p_train, p_test) in (properties or {}).items():
+        p_train = torch.as_tensor(p_train, dtype=torch.bool)
+        p_test = torch.as_tensor(p_test, dtype=torch.bool)
+        said = {v: mode(y_train[p_train == v], fallback) for v in (True, False)}
+        pred = torch.where(p_test, torch.tensor(said[True]), torch.tensor(said[False]))
+        out["property_top1"][name] = (pred == y_test).double().mean().item()
     return out
 
 

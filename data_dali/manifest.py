@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import re
 import sys
 from functools import lru_cache
 from pathlib import Path
@@ -34,6 +35,10 @@ MEDIA = ("video", "audio", "mel")
 UNLABELED = -1  # the label of a clip without one (pretraining uses it; probes leave it out)
 MAX_CLASSES = 100_000  # labels are < max(MAX_CLASSES, rows): a larger one is a damaged cell
 SHOWN = 5  # bad rows named in the error
+# folder or class names that are splits, not classes (Kinetics' download layout: train/, val/,
+# test/): prepare refuses them as class folders, eval warns of them in a manifest
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validate", "validation", "test",
+                         "testing"})
 FIX = "re-run `python -m data_dali.prepare SRC OUT` to rewrite it (or correct those rows)"
 
 
@@ -217,6 +222,25 @@ class Manifest:
                 continue
             out.append(i)
         return out
+
+
+def note_kind(note: str) -> str:
+    """What a note is counted and compared under: its words before any figure or detail
+    ("audio padded with silence from 0.37 s to 1.60 s" → "audio padded with silence")."""
+    return re.split(r"\s*(?:[(:,]|\b(?:from |at |to )?\d)", note)[0] or note
+
+
+def clip_properties(row: dict) -> set[str]:
+    """What prepare recorded of a clip beside its label, as kinds: the kinds of its ``notes``
+    (``note_kind``), "silent audio" for ``silent`` = 1 and "no audio stream" for
+    ``audio_present`` = 0 (also without the note). A property that goes with one class is a
+    confound: a probe can score from it alone (prepare warns; eval prints its accuracy)."""
+    kinds = {note_kind(n) for n in (row.get("notes") or "").split(" | ") if n.strip()}
+    if str(row.get("silent", "")).strip() == "1":
+        kinds.add("silent audio")
+    if str(row.get("audio_present", "")).strip() == "0":
+        kinds.add("no audio stream")
+    return kinds
 
 
 def sha256_file(path) -> str:

@@ -342,3 +342,82 @@ def test_an_exported_encoder_is_evaluated_and_named(tiny_run, tmp_path, capsys):
     assert line == (f"error: --modality audio: {tmp_path / 'exported' / 'video_r3d_18.pt'} is an "
                     "exported video encoder; pass --modality video, or the audio file of the "
                     "export")
+
+
+# -- the baselines a score must beat (issue 51, items 3 and 4) ---------------------------------
+
+def test_baselines_are_the_majority_class_and_each_clip_property_alone():
+    """The issue's Kinetics test split: 9 of 15 clips of one class (the video probe's 60.0 %
+    was exactly that), every 'typing' clip silent and no other (the audio probe's 93.3 % was
+    'silent means typing', 14/15). A property that says nothing scores the majority."""
+    from cmacc.probe import baselines
+
+    y_train = torch.tensor([0] * 27 + [1] * 12 + [2] * 3)
+    y_test = torch.tensor([0] * 9 + [1] * 5 + [2])
+    silent = (y_train == 1, y_test == 1)
+    spread = (torch.arange(42) % 2 == 0, torch.arange(15) % 2 == 0)  # in every class alike
+    b = baselines(y_train, y_test, {"silent audio": silent, "padded": spread})
+    assert b["majority_top1"] == 9 / 15 and b["majority_label"] == 0
+    assert b["property_top1"] == {"silent audio": 14 / 15, "padded": 9 / 15}
+    unseen = (torch.zeros(42, dtype=torch.bool), y_test == 2)  # no train clip has it
+    assert baselines(y_train, y_test, {"x": unseen})["property_top1"] == {"x": 9 / 15}
+
+
+def _rewrite(manifest, change):
+    rows = _rows(manifest)
+    with manifest.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(change(dict(r)) for r in rows)
+
+
+def test_every_probe_result_prints_and_records_the_baselines_it_must_beat(tiny_run, data_copy,
+                                                                          tmp_path, capsys):
+    """One class all silent: the result (JSON and the table printed) holds the majority-class
+    rate of each test split and what 'silent audio' alone scores beside the probe's top-1, and
+    a probe that does not beat it is warned about (issue 51: eval printed 93.3 % and nothing
+    else)."""
+    def silence_class_0(r):
+        if r["label"] == "0":
+            r["silent"], r["notes"] = "1", "silent audio"
+        return r
+
+    _rewrite(data_copy, silence_class_0)
+    assert ev.main([str(tiny_run), "--modality", "audio", "--data", str(data_copy),
+                    "--out", str(tmp_path / "eval")]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
+    (split,) = res["splits"]
+    assert split["majority_top1"] == 0.5 and split["majority_class"] in ("class00", "class01")
+    assert split["property_top1"] == {"silent audio": 1.0}
+    assert res["majority_top1_mean"] == 0.5 and res["property_top1_mean"] == {"silent audio": 1.0}
+    assert "| top-1 | majority class | a clip property alone |" in captured.out
+    assert f"| heldout | {100 * split['top1']:.1f} | 50.0 ({split['majority_class']}) | " \
+           "100.0 (silent audio) |" in captured.out
+    said = [w for w in res["warnings"] if "'silent audio' alone scores (1.0000)" in w]
+    assert len(said) == 1 and said[0] in captured.err and said[0] in captured.out
+    assert "majority class 0.5000" in captured.err and "'silent audio' alone 1.0000" in captured.err
+
+    # the synthetic clips record no property: the majority class alone
+    assert ev.main([str(tiny_run), "--modality", "audio", "--out", str(tmp_path / "syn")]) == 0
+    syn = json.loads((tmp_path / "syn" / "eval_audio_linear_synthetic.json").read_text())
+    assert syn["splits"][0]["majority_top1"] == 4 / 24 and syn["splits"][0]["property_top1"] == {}
+
+
+def test_eval_repeats_the_warning_for_classes_named_like_splits(tiny_run, data_copy, tmp_path,
+                                                                 capsys):
+    """A manifest whose classes are train/ and test/ (prepared with --split-folders-are-classes,
+    or by an older data_dali, which only warned): eval says so too, in the log and the result
+    (issue 51: it reported 70.6 % with no warning)."""
+    _rewrite(data_copy, lambda r: dict(r, class_name={"0": "train", "1": "Test"}[r["label"]]))
+    assert ev.main([str(tiny_run), "--modality", "audio", "--data", str(data_copy),
+                    "--out", str(tmp_path / "eval")]) == 0
+    err = capsys.readouterr().err
+    assert "class names Test, train look like splits" in err
+    res = json.loads(next((tmp_path / "eval").glob("*.json")).read_text())
+    said = [w for w in res["warnings"] if "look like splits" in w]
+    assert said == [f"{data_copy.resolve()}: class names Test, train look like splits, not "
+                    "classes: a probe would learn the split, not what the clips show; prepare the "
+                    "source with --layout list --list FILE (a 'path label split' line per clip) "
+                    "or, for Kinetics, --layout kinetics --splits ANNOTATIONS"]
+    assert said[0] in err

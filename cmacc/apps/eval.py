@@ -13,6 +13,13 @@ line names the encoder and the data. A run pretrained on a manifest is never eva
 synthetic clips. An exported encoder file (``cmacc-export``) is evaluated too: its
 model_card.json beside it gives the run's config and data, or ``--data`` names the data.
 
+Every top-1 is printed, and recorded, beside the baselines it must beat: the majority-class
+rate of its test split, and for each clip property the manifest records (silent audio, padded
+audio, no audio stream: prepare's notes) that alone scores above it, that property's accuracy
+(a classifier that sees only the property, fitted on the train split): a probe that does not
+beat them is warned about. Class names that look like splits (train, val, test) are warned
+about too (a probe would learn the split).
+
 Results (mean top-1 over splits/folds and per split) go to
 OUT/eval_<modality>_<protocol>_<data tag>.json and a Markdown table beside it; the tag names
 the dataset (``synthetic``, or the manifest's folder and the first 8 hex digits of its
@@ -40,10 +47,11 @@ from cmacc.config import Config
 from cmacc.data import eval_splits
 from cmacc.encoders import EncoderFileError, load_audio_encoder, load_video_encoder
 from cmacc.model import CMACC
-from cmacc.probe import extract_features, finetune, linear_probe
+from cmacc.probe import baselines, extract_features, finetune, linear_probe
 from data_dali.cli import (ArgumentParser, UserError, command, first_line, output_folder,
                            setup_logging)
 from data_dali.fileio import atomic_write_text
+from data_dali.manifest import SPLIT_NAMES, clip_properties
 
 from . import git_commit, positive_int, sha256_file
 
@@ -291,11 +299,15 @@ def evaluate(model, state, data=None, *, modality, protocol, splits=None, device
              f"; manifest sha256 {digest[:12]}" if digest else "")
     ds, chosen = eval_data(cfg, source, modality=modality, protocol=protocol, splits=splits,
                            frames=frames)
+    warnings = _split_named_classes(ds, chosen, source)
+    for w in warnings:
+        log.warning("%s", w)
     bad = None
     if hasattr(ds, "leave_out_damaged"):
         chosen = ds.leave_out_damaged(chosen, max_bad_clips)
         bad = ds.bad
         _check_sizes(chosen, source, modality)
+    labels, props, names = _labels_and_properties(ds, chosen)
     results = []
     for k, (name, tr, te) in enumerate(chosen):
         with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is left as it was
@@ -304,16 +316,24 @@ def evaluate(model, state, data=None, *, modality, protocol, splits=None, device
                                   device=device, clips=clips, epochs=epochs, lr=lr,
                                   batch_size=batch_size)
         res["split"] = name
-        log.info("%s %s %s: top-1 %.4f", modality, protocol, name, res["top1"])
+        res.update(_split_baselines(ds, tr, te, labels, props, names))
+        log.info("%s %s %s: top-1 %.4f (%s)", modality, protocol, name, res["top1"],
+                 _baseline_words(res))
+        warnings += _not_beaten(res, f"{modality} {protocol} {name}")
         results.append(res)
     mean = sum(r["top1"] for r in results) / len(results)
+    n = len(results)
+    baseline_means = {"majority_top1_mean": sum(r["majority_top1"] for r in results) / n,
+                      "property_top1_mean": {p: sum(r["property_top1"][p] for r in results) / n
+                                             for p in props}}
     settings = (dict(LINEAR, batch_size=batch_size) if protocol == "linear" else
                 dict(epochs=epochs, lr=lr, weight_decay=FINETUNE_WD, batch_size=batch_size))
     if bad is not None and bad.count:
         log.warning("%d damaged clip(s) left out of the evaluation (listed under bad_clips in "
                     "the result)", bad.count)
     return {
-        "modality": modality, "protocol": protocol, "top1_mean": mean, "splits": results,
+        "modality": modality, "protocol": protocol, "top1_mean": mean, **baseline_means,
+        "splits": results, "warnings": warnings,
         "data": dict(record, how=why), "encoder": encoder,
         "checkpoint": str(state["file"]), "step": None if step is None else int(step),
         "clips": clips, "frames": getattr(ds, "t", cfg.data.frames), "settings": settings,
@@ -322,6 +342,83 @@ def evaluate(model, state, data=None, *, modality, protocol, splits=None, device
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(),
     }
+
+
+def _split_named_classes(ds, chosen, source) -> list[str]:
+    """The warning prepare gives for class folders named train/, val/, test/, repeated for a
+    manifest whose classes in the chosen splits are so named (prepared with
+    --split-folders-are-classes, or by an older data_dali): the probe would learn the split."""
+    m = getattr(ds, "m", None)
+    if m is None:
+        return []
+    used = {int(m.label_array[int(i)]) for _, tr, te in chosen for i in torch.cat([tr, te])}
+    named = sorted(n for c, n in enumerate(m.class_names) if c in used and n.lower() in SPLIT_NAMES)
+    if not named:
+        return []
+    return [f"{source}: class names {', '.join(named)} look like splits, not classes: a probe "
+            "would learn the split, not what the clips show; prepare the source with --layout "
+            "list --list FILE (a 'path label split' line per clip) or, for Kinetics, --layout "
+            "kinetics --splits ANNOTATIONS"]
+
+
+def _labels_and_properties(ds, chosen) -> tuple[torch.Tensor, dict, list | None]:
+    """Every clip's label, the clip properties prepare recorded (``clip_properties``: notes,
+    silent audio, no audio stream) that some clip of the chosen splits has, as {name: bool
+    [clips]}, and the class names (None: the synthetic clips, which record none)."""
+    m = getattr(ds, "m", None)
+    if m is None:
+        return torch.as_tensor(ds.data.labels), {}, None
+    kinds = [clip_properties(r) for r in m.rows]
+    used = sorted({int(i) for _, tr, te in chosen for i in torch.cat([tr, te])})
+    names = sorted(set().union(*(kinds[i] for i in used))) if used else []
+    return (torch.as_tensor(m.label_array),
+            {p: torch.tensor([p in k for k in kinds], dtype=torch.bool) for p in names},
+            list(m.class_names))
+
+
+def _split_baselines(ds, tr, te, labels, props, names) -> dict:
+    """``cmacc.probe.baselines`` on the split's clips (less any found damaged): the majority
+    class of the test clips, and each clip property's accuracy alone."""
+    found = getattr(getattr(ds, "bad", None), "found", None) or ()
+    tr = torch.tensor([int(i) for i in tr if int(i) not in found], dtype=torch.long)
+    te = torch.tensor([int(i) for i in te if int(i) not in found], dtype=torch.long)
+    b = baselines(labels[tr], labels[te], {p: (v[tr], v[te]) for p, v in props.items()})
+    lab = b.pop("majority_label")
+    b["majority_class"] = None if lab is None else (names[lab] if names else str(lab))
+    return b
+
+
+def _baseline_words(res: dict) -> str:
+    """The baselines of one split's result in words: the majority class, and each clip
+    property whose accuracy alone is above it."""
+    words = f"majority class {res['majority_top1']:.4f} ({res['majority_class']})"
+    for p, acc in _telling(res):
+        words += f"; {p!r} alone {acc:.4f}"
+    return words
+
+
+def _telling(res: dict) -> list[tuple[str, float]]:
+    """The clip properties that alone score above the majority class, best first."""
+    return sorted(((p, a) for p, a in res.get("property_top1", {}).items()
+                   if a > res["majority_top1"] + 1e-9), key=lambda t: (-t[1], t[0]))
+
+
+def _not_beaten(res: dict, what: str) -> list[str]:
+    """A logged warning for each baseline the probe's top-1 does not beat."""
+    out = []
+    if res["top1"] <= res["majority_top1"] + 1e-9:
+        out.append(f"{what}: top-1 {res['top1']:.4f} does not beat the majority class "
+                   f"{res['majority_class']!r} of its test clips ({res['majority_top1']:.4f}): "
+                   "the probe has shown nothing of the classes")
+    for p, acc in _telling(res):
+        if res["top1"] <= acc + 1e-9:
+            out.append(f"{what}: top-1 {res['top1']:.4f} does not beat what the clip property "
+                       f"{p!r} alone scores ({acc:.4f}): the probe may detect that, not the "
+                       "classes; see the class's clips with that note (cmacc-manifest stats) "
+                       "and the prepare warning about it")
+    for w in out:
+        log.warning("%s", w)
+    return out
 
 
 def _check_sizes(chosen, data, modality) -> None:
@@ -391,12 +488,30 @@ def write_results(res: dict, out: Path) -> tuple[Path, Path]:
             log.warning("%s held top-1 %.4f of %s; replaced (it differs in %s)", js,
                         old.get("top1_mean", float("nan")), old.get("encoder"), ", ".join(changed))
     data = res.get("data") or {}
-    lines = [f"| {res['modality']} {res['protocol']} ({data.get('tag', '?')}) | top-1 |",
-             "|---|---|"]
-    lines += [f"| {r['split']} | {100 * r['top1']:.1f} |" for r in res["splits"]]
-    lines.append(f"| **mean** | **{100 * res['top1_mean']:.1f}** |")
+    lines = [f"| {res['modality']} {res['protocol']} ({data.get('tag', '?')}) | top-1 | "
+             "majority class | a clip property alone |", "|---|---|---|---|"]
+    for r in res["splits"]:
+        told = _telling(r) if "majority_top1" in r else []
+        lines.append(f"| {r['split']} | {100 * r['top1']:.1f} | "
+                     + (f"{100 * r['majority_top1']:.1f} ({r['majority_class']})"
+                        if "majority_top1" in r else "-") + " | "
+                     + ("; ".join(f"{100 * a:.1f} ({p})" for p, a in told) or "-") + " |")
+    means = res.get("property_top1_mean") or {}
+    best = sorted(((a, p) for p, a in means.items()), key=lambda t: (-t[0], t[1]))
+    told = [(p, a) for a, p in best if "majority_top1_mean" in res
+            and a > res["majority_top1_mean"] + 1e-9]
+    lines.append(f"| **mean** | **{100 * res['top1_mean']:.1f}** | "
+                 + (f"{100 * res['majority_top1_mean']:.1f}" if "majority_top1_mean" in res
+                    else "-") + " | "
+                 + ("; ".join(f"{100 * a:.1f} ({p})" for p, a in told) or "-") + " |")
+    lines.append("")
+    lines.append("majority class: the test clips' most common class (what always saying it "
+                 "scores); a clip property alone: a classifier that sees only what prepare "
+                 "noted of each clip (e.g. silent audio), fitted on the train split, where it "
+                 "scores above the majority class. The probe must beat both.")
+    for w in res.get("warnings") or []:
+        lines.append(f"warning: {w}")
     if data:
-        lines.append("")
         lines.append(f"data: {data['source']}" + (f" (manifest sha256 {data['manifest_sha256']})"
                                                   if data.get("manifest_sha256") else ""))
     if res.get("encoder"):

@@ -7,10 +7,13 @@ precompute the 80-band log-mel, and write the manifest (the only thing loaders r
 
     python -m data_dali.prepare SRC OUT                            # SRC/<class>/<video files>
     python -m data_dali.prepare SRC OUT --layout list --list files.csv   # path,label[,split]
+    python -m data_dali.prepare SRC OUT --layout list --list files.txt   # 'path label' lines
     python -m data_dali.prepare UCF-101 OUT --layout ucf101 --splits ucfTrainTestlist
     python -m data_dali.prepare hmdb51 OUT --layout hmdb51 --splits testTrainMulti_7030_splits
     python -m data_dali.prepare ESC-50-master OUT --layout esc50   # audio/*.wav + meta/esc50.csv
     python -m data_dali.prepare kinetics400 OUT --layout kinetics --splits annotations  # *.csv
+    python -m data_dali.prepare kinetics400 OUT --layout kinetics \\
+        --splits kinetics400/kinetics400_train_list_videos.txt     # mmaction's 'path label' list
     python -m data_dali.prepare SOUNDS OUT --audio-only            # SRC/<class>/<audio files>
 
 Outputs: OUT/clips/<path in SRC>.webm|.flac|.mel.npy (prepared media, named after the whole
@@ -26,7 +29,10 @@ re-run, also after a crash or ``kill -9``, skips files whose source and settings
 (a no-op when nothing changed; ``--retry-rejects`` tries rejected files again). An OUT
 prepared from another SRC is refused (its manifest would be replaced by this source's):
 prepare into another OUT, or pass ``--new-src`` when SRC is that data moved or should replace
-it.
+it. Class folders named like splits (train/, val/, test/) are refused (a probe would learn
+the split; ``--split-folders-are-classes`` if they are classes), and a note that goes with one
+class (its share there far from its share in the others: 31 of 36 "typing" clips silent, none
+of the rest) is one warning naming the class and both shares.
 
 The package, one job per file: ``config`` (settings, errors), ``sources`` (layouts and
 splits), ``transcode`` (one file), ``outputs`` (names under OUT, disk space), ``records``

@@ -18,7 +18,7 @@ from ..cli import (ArgumentParser, ProgressLog, command, ignore_interrupts, outp
                    prog_name, setup_logging)
 from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
-from ..manifest import UNLABELED
+from ..manifest import UNLABELED, clip_properties, note_kind
 from .config import AUDIO_EXT, VIDEO_EXT, PrepareConfig, PrepareError
 from .outputs import (_assign_outputs, _check_space, _record_path, _remove_unfinished, _writing,
                       SPACE_FACTOR)
@@ -33,12 +33,13 @@ SRC_RECORD = "src.json"  # OUT/src.json: {"src": the absolute SRC that OUT was p
 
 def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, workers=None,
             retry_rejects=False, progress=True, audio_only=None, space_check=True,
-            new_src=False) -> dict:
+            new_src=False, split_folders_are_classes=False) -> dict:
     """Prepare SRC into OUT; returns the summary (also what the CLI prints). A PrepareError
     (a UserError) for a mistake in the arguments, an OUT prepared from another SRC (unless
     ``new_src``) or an output disk that is full or cannot be written; a run stopped early
     (that, Ctrl-C) leaves no partial output and the manifest of the last complete run, and the
-    same call again finishes the job."""
+    same call again finishes the job. Class folders named like splits (train/, val/, test/)
+    are a PrepareError unless ``split_folders_are_classes``."""
     src, out = Path(src).resolve(), Path(out).resolve()
     cfg = cfg or PrepareConfig()
     if out == src or any(d in src.parents or d == src for d in (out / "clips", out / "records")):
@@ -46,7 +47,8 @@ def prepare(src, out, *, layout="auto", list_file=None, splits=None, cfg=None, w
                            "records/; pick another folder")
     esc = layout == "esc50" or (layout == "auto" and (src / "meta" / "esc50.csv").is_file())
     audio_only = esc if audio_only is None else (audio_only or esc)
-    items, warnings = scan(src, layout, list_file, splits, audio_only=audio_only, exclude=out)
+    items, warnings = scan(src, layout, list_file, splits, audio_only=audio_only, exclude=out,
+                           split_folders_are_classes=split_folders_are_classes)
     for w in warnings:
         log.warning("%s", w)
     if not items:
@@ -194,18 +196,23 @@ def _finish(out: Path, items, results, warnings) -> dict:
                         "removed sources or of an older data_dali); delete that folder and run "
                         "again to drop them")
         log.warning("%s", warnings[-1])
-    by_class = whole_class_notes(rows)
+    by_class = confounded_notes(rows)
     for c, kinds in by_class.items():
-        warnings.append(f"every clip of class {c!r} is noted {' and '.join(map(repr, kinds))}: "
-                        "a probe could tell the class by that alone; check its sources")
-        log.warning("%s", warnings[-1])
+        for kind, n in kinds.items():
+            warnings.append(
+                f"class {c!r}: {n['noted']} of {n['clips']} clips ({_pct(n['noted'], n['clips'])}) "
+                f"are noted {kind!r}, against {n['others_noted']} of {n['others']} "
+                f"({_pct(n['others_noted'], n['others'])}) in the other classes: a probe could "
+                "tell the class by that alone (cmacc-eval prints what that note alone scores "
+                "beside each probe); check its sources")
+            log.warning("%s", warnings[-1])
     summary = dict(files=len(items), kept=len(rows), rejected=len(rejects),
                    skipped_done=skipped, processed=len(items) - skipped,
                    classes=len({r["label"] for r in rows} - {UNLABELED}),
                    unlabeled=sum(1 for r in rows if r["label"] == UNLABELED),
                    video_only=sum(1 for r in rows if r["video"] and not r["audio_present"]),
                    rejects_by_reason=dict(sorted(reasons.items())), noted=dict(sorted(noted.items())),
-                   noted_whole_class=by_class,
+                   noted_by_class=by_class,
                    warnings=warnings, manifest=str(out / "manifest.csv"),
                    rejects=str(out / "rejects.csv"))
     log.info("kept %d of %d files (%d rejected, see %s)", len(rows), len(items), len(rejects),
@@ -213,27 +220,47 @@ def _finish(out: Path, items, results, warnings) -> dict:
     return summary
 
 
-def whole_class_notes(rows: list[dict]) -> dict[str, list[str]]:
-    """{class name: the note kinds every kept clip of that class has}, for classes of two or
-    more clips and kinds that not every clip of the dataset has (e.g. one class all silent): a
-    probe would score from them."""
-    kinds = [{note_kind(n) for n in filter(None, r.get("notes", "").split(" | "))} for r in rows]
-    everywhere = set.intersection(*kinds) if kinds else set()
-    per_class: dict[str, set] = {}
-    size = Counter()
-    for r, k in zip(rows, kinds):
-        if r["label"] != UNLABELED:
-            name = r["class_name"] or str(r["label"])
-            per_class[name] = per_class[name] & k if name in per_class else set(k)
-            size[name] += 1
-    return {c: sorted(k - everywhere) for c, k in sorted(per_class.items())
-            if k - everywhere and size[c] > 1}
+CONFOUND_MARGIN = 0.5  # a note's share in one class against the other classes' share
+CONFOUND_MIN_CLIPS = 5  # clips the class, and the other classes together, need to be compared
 
 
-def note_kind(note: str) -> str:
-    """What the summary counts a note under: its words before any figure or detail
-    ("audio padded with silence from 0.37 s to 1.60 s" → "audio padded with silence")."""
-    return re.split(r"\s*(?:[(:,]|\b(?:from |at |to )?\d)", note)[0] or note
+def confounded_notes(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    """{class name: {note kind: {noted, clips, others_noted, others}}} for the kinds of what
+    prepare recorded of a clip (``data_dali.manifest.clip_properties``: its notes, silent audio,
+    no audio stream) whose share among the class's labelled clips differs from their share
+    among the other classes' by CONFOUND_MARGIN or more, the class and the others having
+    CONFOUND_MIN_CLIPS or more: a probe would score from the note (31 of 36 'typing' clips
+    silent, none of the others). A kind spread evenly (padded sounds in every class) is not
+    flagged, however common. Where one class has more of a kind than the rest, that class is
+    named; a class with less (every class padded but one) only where none has more (with two
+    classes, one names the association)."""
+    labelled = [(r["class_name"] or str(r["label"]), clip_properties(r)) for r in rows
+                if int(r["label"]) != UNLABELED]
+    size, noted = Counter(), Counter()
+    for c, kinds in labelled:
+        size[c] += 1
+        for k in kinds:
+            noted[c, k] += 1
+    total, kind_total = len(labelled), Counter(k for _, kinds in labelled for k in kinds)
+    more, less = {}, {}
+    for c, k in ((c, k) for c in sorted(size) for k in sorted(kind_total)):
+        n, others = size[c], total - size[c]
+        if n < CONFOUND_MIN_CLIPS or others < CONFOUND_MIN_CLIPS:
+            continue
+        mine, theirs = noted[c, k], kind_total[k] - noted[c, k]
+        diff = mine / n - theirs / others
+        if abs(diff) >= CONFOUND_MARGIN:
+            (more if diff > 0 else less).setdefault(k, {})[c] = dict(
+                noted=mine, clips=n, others_noted=theirs, others=others)
+    out: dict[str, dict[str, dict]] = {}
+    for k in sorted(set(more) | set(less)):
+        for c, counts in (more.get(k) or less[k]).items():
+            out.setdefault(c, {})[k] = counts
+    return dict(sorted(out.items()))
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
 
 
 def _stray_outputs(out: Path, rows: list[dict]) -> int:
@@ -263,11 +290,17 @@ def main(argv=None):
                    "created if missing; may be inside SRC (it is never read as a source)")
     p.add_argument("--layout", default="auto", choices=LAYOUTS,
                    help="auto: esc50 if SRC/meta/esc50.csv exists, list if --list, else folders")
-    p.add_argument("--list", dest="list_file", help="CSV with a header path,label[,split][,fold][,class_name]; "
-                   "paths relative to SRC (layout list)")
+    p.add_argument("--list", dest="list_file", help="the clips (layout list): a CSV with a header "
+                   "path,label[,split][,fold][,class_name], or 'path label' lines separated by "
+                   "spaces (a header line optional); paths relative to SRC")
     p.add_argument("--splits", help="official split files (ucf101: the ucfTrainTestlist folder, "
-                   "hmdb51: testTrainMulti_7030_splits, kinetics: the annotation CSVs, a folder of "
-                   "them or one file)")
+                   "hmdb51: testTrainMulti_7030_splits, kinetics: the annotation CSVs or "
+                   "space-separated 'path label' lists such as mmaction's "
+                   "kinetics400_train_list_videos.txt, a folder of them or one file)")
+    p.add_argument("--split-folders-are-classes", action="store_true",
+                   help="prepare class folders named train/, val/, test/ (...) as classes; "
+                   "without it they are refused (they look like splits: a probe would learn "
+                   "the split; use --layout list or kinetics for splits)")
     p.add_argument("--audio-only", action="store_true", help="an audio dataset (implied by esc50)")
     p.add_argument("--fps", type=float, default=10.0, help="target frame rate (default: 10, the paper's)")
     p.add_argument("--short-side", type=int, default=128, help="resize so the short side is this (even; default: 128)")
@@ -296,7 +329,8 @@ def main(argv=None):
     summary = prepare(args.src, args.out, layout=args.layout, list_file=args.list_file,
                       splits=args.splits, cfg=cfg, workers=args.workers,
                       retry_rejects=args.retry_rejects, audio_only=args.audio_only,
-                      space_check=args.space_check, new_src=args.new_src)
+                      space_check=args.space_check, new_src=args.new_src,
+                      split_folders_are_classes=args.split_folders_are_classes)
     print(json.dumps(summary, indent=2))
     if not summary["kept"]:
         reasons = "; ".join(f"{n} x {r}" for r, n in summary["rejects_by_reason"].items())
