@@ -58,7 +58,8 @@ FLAGS = {
                                          "without a GPU), the PyAV reference, or auto = DALI when it works")),
         ("--workers", "data.workers", dict(type=int, help="loader worker processes (DALI: decoder threads)")),
         ("--max-bad-clips", "data.max_bad_clips", dict(type=int, help="damaged clips skipped, replaced and listed in "
-                                                       "OUT/bad_clips.csv before the run stops (default: 1%% of the clips, at least 10)")),
+                                                       "OUT/bad_clips*.csv before the run stops, counted over the whole run: every "
+                                                       "rank, every attempt and resume, each clip once (default: 1%% of the clips, at least 10)")),
         ("--augment", "data.augment", dict(nargs="+", choices=AUGMENTS + ("none",), help=(
             "training augmentations of a manifest's clips: random resized crop, flip, grayscale, "
             "random start (default all: the paper's; none: centre clip and square, docs/DATA.md)"))),

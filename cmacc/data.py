@@ -53,7 +53,8 @@ def train_loader(dcfg: DataConfig, *, batch_size: int, seed: int, rank: int = 0,
     Damaged clips of a manifest are replaced and named in ``out``/bad_clips.csv (under torchrun
     one file a rank, bad_clips.rank<r>.csv: data_dali/damaged.py); past
     --max-bad-clips the loader raises, or with ``stop_past_limit=False`` leaves the stop to the
-    caller (the trainer agrees on ``loader.bad.count`` over ranks and stops every rank).
+    caller (the trainer sums ``loader.bad.share(rank)`` over the ranks — the run's count, earlier
+    attempts included — and stops every rank).
 
     The data order does not depend on ``world`` (both loaders): epoch e is one permutation of
     the dataset drawn from (seed, e), global batch b is its clips [b M, (b + 1) M), and rank r

@@ -36,6 +36,17 @@ def restart_count() -> int:
         return 0
 
 
+def job_restart_count() -> int:
+    """How many times torchrun has restarted this job, as every rank agrees: the largest
+    ``restart_count`` of any rank (one gather; every rank must call it, at the same point).
+    torchrun's agents count per node: only the agent whose worker failed counts the restart, a
+    membership change is not counted, and a replacement node starts at 0; so after one rank's
+    failure the ranks of one attempt see different counts, and a rank that decided from its
+    own would skip a collective that the others enter. The largest is a restart if any agent
+    counted one, whichever node rank 0 is on (a replacement may be)."""
+    return max(gather_objects(restart_count()))
+
+
 def elastic_run_id() -> str:
     """torchrun's job id (``--rdzv-id``; a fresh one per ``--standalone`` command), "" outside
     torchrun."""

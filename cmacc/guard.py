@@ -3,11 +3,13 @@ step late, so a steady-state step never waits for the device.
 
 After each backward ``StepGuard.check`` computes, on the device, what is NaN/Inf — the loss, the
 dictionaries, the query gradients (fp16: the GradScaler checks those) — beside two host facts
-(a stop signal on this rank, the damaged clips it has met), all-reduced (MAX) over the ranks in
-one small collective. From them it returns ``skip`` (0-d float, 1 = do not apply this step's
-update), which ``GuardedAdam`` hands to the fused Adam kernel as its ``found_inf`` (the way the
-GradScaler skips a step with fused optimisers): a skipped step leaves the weights, the moments
-and the step count as they were, on every rank alike. ``skip`` is also 1 on every step after the
+(a stop signal on this rank, its share of the run's damaged clips: ``BadClips.share``),
+all-reduced (SUM) over the ranks in one small collective: a flag is set where its sum is
+positive (any rank's), and the shares add up to the run's count of damaged clips. From them it
+returns ``skip`` (0-d float, 1 = do not apply this step's update), which ``GuardedAdam`` hands
+to the fused Adam kernel as its ``found_inf`` (the way the GradScaler skips a step with fused
+optimisers): a skipped step leaves the weights, the moments and the step count as they were,
+on every rank alike. ``skip`` is also 1 on every step after the
 run has halted on the device: after a non-finite step when a non-finite step stops the run
 (``--on-nonfinite stop``), after a non-finite dictionary, and once more than
 ``--max-nonfinite`` steps were skipped (``skip``). So nothing after a poisoned step is applied,
@@ -90,14 +92,17 @@ class StepGuard:
 
     @torch.no_grad()
     def check(self, step: int, loss, dictionaries, grads, signalled: bool, damaged: int):
-        """This step's flags, agreed by every rank; returns ``skip`` [] (1: not applied)."""
+        """This step's flags, agreed by every rank; returns ``skip`` [] (1: not applied).
+        ``damaged``: this rank's share of the run's damaged clips (their sum over the ranks is
+        what ``read`` returns)."""
         finite = [torch.isfinite(loss.detach()).all(),
                   torch.stack([torch.isfinite(d).all() for d in dictionaries]).all(),
                   (torch.isfinite(torch.stack(torch._foreach_norm(grads))).all() if grads
                    else torch.ones((), dtype=torch.bool, device=self.device))]
         flags = torch.cat([(~torch.stack(finite)).float(), self._host_flags(signalled, damaged)])
-        if self.world > 1:
-            torch.distributed.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if self.world > 1:  # one collective; SUM: the damaged clips' shares add up
+            torch.distributed.all_reduce(flags, op=dist.ReduceOp.SUM)
+            flags = torch.cat([(flags[:-1] > 0).float(), flags[-1:]])  # set on any rank: 1
         bad = flags[:len(FLAGS)].amax()  # [] 1 if anything is non-finite on any rank
         skip = torch.maximum(bad, self.halted)
         self.skipped += bad * (1 - self.halted)  # counted until the run halts

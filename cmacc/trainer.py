@@ -22,8 +22,8 @@ over groups of that size, each global batch split world ways. The log says so in
 Only an M that does not divide over the new ranks is refused (``_setup``).
 
 A run-ending condition is agreed by every rank (the per-step all-reduce, read one step late: a
-non-finite step, more damaged clips than --max-bad-clips on any rank, a stop signal), so every
-rank stops after the same step
+non-finite step, more damaged clips in the run than --max-bad-clips — summed over the ranks,
+earlier attempts included — a stop signal), so every rank stops after the same step
 with the same line, said by every rank before any exits (``_end_together``); under torchrun the line is kept in OUT/stopped.json, and a restarted
 attempt of the same job repeats it at once instead of redoing the work into the same failure
 (``_repeat_an_agreed_stop``).
@@ -100,8 +100,12 @@ class Trainer:
         self.signum = signal.SIGINT  # the signal received (the stop of every rank is agreed)
         self.stop_requested = False  # agreed by all ranks after every step
         self.too_many_bad = None  # the line of an agreed stop past --max-bad-clips
+        self.bad_total = 0  # the run's damaged clips (every rank's, every attempt's): agreed
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
         self.held = None  # rank 0: the open lock file of OUT (one run per folder)
+        # torchrun restarts of this job as every rank agrees (_agree_on_the_attempt); every
+        # decision that depends on it reads this. None: not agreed yet (a first attempt)
+        self.restart = None
 
     # -- public -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -117,6 +121,7 @@ class Trainer:
 
     def _run(self) -> dict:
         with self._process_group(), self._stop_on_signals():
+            self._agree_on_the_attempt()
             try:
                 self._repeat_an_agreed_stop()
             except (NonFiniteLoss, UsageError) as e:
@@ -208,18 +213,30 @@ class Trainer:
             with contextlib.suppress(Exception):  # a lost rank: the others' lines are said
                 dist.barrier()
 
+    def _agree_on_the_attempt(self) -> None:
+        """Whether this is a restarted attempt of a torchrun job, decided once, the same on
+        every rank (``du.job_restart_count``: the largest count of any rank), before any
+        decision that depends on it: repeating an agreed stop, clearing its record, tolerating
+        a busy lock, overriding --resume. torchrun's agents count per node (only the node whose
+        worker failed counts; a membership change is not counted; a replacement node starts at
+        0): ranks that each read their own count would skip collectives the others enter, and
+        hang or unpack another call's broadcast. Every rank calls it, at the start of the run."""
+        self.restart = du.job_restart_count()
+
     def _repeat_an_agreed_stop(self) -> None:
         """A torchrun restart of a job whose ranks agreed to stop: the same line and exit code at
         once, before any work; rank 0 reads the record for every rank (another node's listing
         may lag behind). (The first attempt of a job — a new command, after the fix — removes
-        the record instead: ``_prepare_out``.)"""
-        if not du.elastic_run_id() or du.restart_count() == 0:
+        the record instead: ``_prepare_out``.) Every rank calls it, at the same point."""
+        if self.restart is None:  # (called on its own)
+            self._agree_on_the_attempt()
+        if not du.elastic_run_id() or not self.restart:
             return
         stop = du.agree(lambda: ckpt.read_stop(self.out, du.elastic_run_id()))
         if stop is None:
             return
         log.info("torchrun restart %d: this job's ranks agreed to stop at step %s; not "
-                 "training again into the same failure", du.restart_count(), stop["step"])
+                 "training again into the same failure", self.restart, stop["step"])
         if stop["code"] == 1:
             raise NonFiniteLoss(stop["line"])
         raise agreed(UsageError(stop["line"]))
@@ -341,7 +358,7 @@ class Trainer:
         the agreed stop of an earlier torchrun job: this is a new command)."""
         out = output_folder(self.out, "--out")
         self._hold_out(out)
-        if self.rank == 0 and du.restart_count() == 0:
+        if self.rank == 0 and not self.restart:  # (the attempt as every rank agreed it)
             ckpt.clear_stop(out)
         if self.rank == 0:
             n = sweep_temporaries(out)
@@ -360,10 +377,10 @@ class Trainer:
             try:
                 self.held = hold_folder(out)
             except FolderBusy as e:
-                if not du.restart_count():
+                if not self.restart:
                     raise UsageError(str(e)) from None
                 log.warning("%s; continuing, as torchrun restart %d of this job (the holder "
-                            "is taken to be its own lost process)", e, du.restart_count())
+                            "is taken to be its own lost process)", e, self.restart)
             except FolderLockError as e:
                 raise UsageError(str(e)) from None
 
@@ -402,10 +419,10 @@ class Trainer:
         """``_find_resume``'s choice, on rank 0. A folder holds one run: starting afresh where
         another run's checkpoints are is refused, not overwritten."""
         resume, out = self.cfg.run.resume, self.out
-        if du.restart_count() and resume != "auto":
+        if self.restart and resume != "auto":  # (agreed: _agree_on_the_attempt)
             # torchrun restarted the workers of this job: its newest checkpoint is the one to go on from
             log.info("torchrun restart %d: resuming from the newest valid checkpoint in %s "
-                     "(--resume %s applies to the first attempt only)", du.restart_count(), out,
+                     "(--resume %s applies to the first attempt only)", self.restart, out,
                      resume)
             resume = "auto"
         try:
@@ -493,8 +510,9 @@ class Trainer:
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 purge_step=purge, total=cfg.run.steps, start_step=self.step)
         bad = getattr(self.loader, "bad", None)
-        if bad is not None:  # damaged clips replaced so far (this rank's; rank 0 writes)
-            self.logger.counters["bad_clips"] = lambda: float(bad.count)
+        if bad is not None:  # the run's damaged clips so far, as the ranks agreed (rank 0 writes)
+            self.bad_total = bad.share(0)  # (until the first step's record: the earlier ones)
+            self.logger.counters["bad_clips"] = lambda: float(self.bad_total)
         if self.rank == 0:
             from tqdm import tqdm
 
@@ -609,10 +627,10 @@ class Trainer:
         with record_function("optimizer"):
             grads = [] if self.scaler.is_enabled() else [  # (fp16: the GradScaler checks them)
                 p.grad for p in model.query_parameters() if p.grad is not None]
-            damaged = getattr(self.loader, "bad", None)  # damaged clips met by this rank so far
+            damaged = getattr(self.loader, "bad", None)  # the ranks' shares add up to the run's
             self.opt.skip = skip = self.guard.check(
                 self.step, loss, (model.dict_v.keys, model.dict_a.keys), grads, self.signalled,
-                damaged.count if damaged is not None else 0)
+                damaged.share(self.rank) if damaged is not None else 0)
             self.scaler.step(self.opt)
             self.scaler.update()
         self.timer.stop("step", ts)
@@ -633,11 +651,13 @@ class Trainer:
 
     def _take_records(self, upto: int) -> None:
         """Act on the guard's records of steps up to ``upto`` (1-based: the steps done): stop
-        requests, damaged clips past the limit (every rank, the same step) and non-finite
-        steps, whose updates the device has already skipped."""
+        requests, the run's damaged clips past the limit (every rank, the same step: the sum of
+        the ranks' shares, earlier attempts included) and non-finite steps, whose updates the
+        device has already skipped."""
         damaged = getattr(self.loader, "bad", None)
         for r in self.guard.read(upto - 1):
             self.stop_requested = self.stop_requested or r["signalled"]
+            self.bad_total = r["damaged"]
             if damaged is not None and r["damaged"] > damaged.limit and not self.too_many_bad:
                 self.too_many_bad = damaged.limit_message(r["damaged"])
             if r["bad"]:

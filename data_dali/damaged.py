@@ -12,6 +12,15 @@ bad_clips.rank1.csv, ...: appends from several nodes to one file on NFS are not 
 every rank reads them all, bad_clips.csv included (``listed_clips``): a run resumed at any world
 size names a clip once.
 
+The limit is the run's, not a rank's nor an attempt's: the damaged clips its files list, each
+once. A process counts the clips it lists first (``new``: not in any file when it met them; the
+files are read again before a clip is listed, since another rank may have met it in an earlier
+epoch of its shard), and the clips the files held when it started (``earlier``: earlier attempts
+and resumes, any rank) are counted by one rank; ``share(rank)`` is a rank's part, and the trainer
+sums the parts over the ranks in its per-step all-reduce. (Two ranks that meet the same new clip
+before either's line is visible to the other, within a step or behind an NFS listing's lag,
+both count it.)
+
 The checks need no decode: the video file is a WebM whose EBML header and Segment size say how
 many bytes it must hold (what prepare wrote: a shorter file is truncated); the log-mel loads,
 has 80 bands and only finite values (a NaN would poison the loss steps later, unnamed). A clip
@@ -163,6 +172,10 @@ class BadClips:
         self.files: dict[int, str] = {}  # the damaged file of a clip, when not its video
         self.counted: set[int] = set()
         self.listed = self._read_csv()
+        # the run's count (module docstring): the clips listed before this process started, and
+        # those it listed first
+        self.earlier = len(self.listed)
+        self.new: set[int] = set()
 
     def check(self, i: int) -> str | None:
         """Why clip ``i`` cannot be used (known, or found by the cheap checks), else None."""
@@ -212,26 +225,30 @@ class BadClips:
         return i
 
     def record(self, i: int, reason: str) -> None:
-        """Count clip ``i`` (once per process), log it, add it to bad_clips.csv (once over
-        runs: a resumed run reads the file); TooManyBadClips past ``limit``."""
+        """Note clip ``i`` (once per process), log it, add it to bad_clips.csv unless a file of
+        the run lists it already (once over ranks and runs: the files are read again first) and
+        then count it as ``new``; TooManyBadClips past ``limit``."""
         self.mark(i, reason)
         if i in self.counted:
             return
         self.counted.add(i)
         row = self.m.rows[i]
         name = self.files.get(i) or row["video"] or row["mel"]
-        log.warning("damaged clip %s (row %d): %s; %s (%d so far, at most %d)",
-                    name, i, reason, self.action, self.count, self.limit)
+        if i not in self.listed:  # another rank may have listed it since this one started
+            self.listed |= self._read_csv()
         if i not in self.listed:
             self.listed.add(i)
+            self.new.add(i)
             self._append(dict(index=i, id=row.get("id", i), file=name, reason=reason))
+        log.warning("damaged clip %s (row %d): %s; %s (%d in this run as this process knows "
+                    "it, at most %d)", name, i, reason, self.action, self.total, self.limit)
         self.check_limit()
 
     def check_limit(self) -> None:
-        """TooManyBadClips if more than ``limit`` damaged clips were met (and
-        ``stop_past_limit``)."""
-        if self.stop_past_limit and self.count > self.limit:
-            raise TooManyBadClips(self.limit_message(self.count))
+        """TooManyBadClips if the run has more than ``limit`` damaged clips as this process
+        knows them (``total``; and ``stop_past_limit``)."""
+        if self.stop_past_limit and self.total > self.limit:
+            raise TooManyBadClips(self.limit_message(self.total))
 
     def limit_message(self, count: int) -> str:
         """The one line of a stop past the limit, for ``count`` damaged clips."""
@@ -250,7 +267,19 @@ class BadClips:
 
     @property
     def count(self) -> int:
+        """The damaged clips this process met (listed before or not)."""
         return len(self.counted)
+
+    @property
+    def total(self) -> int:
+        """The run's damaged clips as this process knows them: those its files listed when it
+        started (earlier attempts, any rank) and those it listed first."""
+        return self.earlier + len(self.new)
+
+    def share(self, rank: int) -> int:
+        """Rank ``rank``'s part of the run's count, which the ranks sum (the trainer's per-step
+        all-reduce): the clips it listed first, and on rank 0 also those listed before."""
+        return len(self.new) + (self.earlier if rank == 0 else 0)
 
     def _read_csv(self) -> set[int]:
         if self.csv_path is None:

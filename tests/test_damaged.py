@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train
-from data_dali.damaged import mel_problem, webm_problem
+from data_dali.damaged import listed_clips, mel_problem, webm_problem
 
 SMALL = ["--preset", "tiny", "--batch-size", "4", "--dict-size", "8", "--pool-size", "16",
          "--log-every", "3", "--workers", "0"]
@@ -128,3 +128,76 @@ def test_replacements_never_give_up_while_a_clip_is_usable():
     bad.mark(0, "truncated")
     with pytest.raises(TooManyBadClips, match=r"^m.csv: every clip is damaged \(200 found\)"):
         bad.usable(5, epoch=0)
+
+
+def _one_damaged_clip_a_rank(tiny_prepared, tmp_path, seed):
+    """A copy of the 12-clip set with one video cut in half in each rank's slice of global batch 0
+    (2 ranks, M = 4: the loader's law, data_dali/loader.py), chosen so that neither rank's
+    replacement draw is the other's damaged clip: in epoch 0 each rank meets exactly one."""
+    import torch
+
+    from data_dali.damaged import BadClips
+    from data_dali.manifest import Manifest
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_prepared[1], data)
+    rows = list(csv.DictReader(open(data / "manifest.csv", newline="")))
+    perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(
+        seed * 1_000_003)).tolist()
+    hit = [perm[0], perm[2]]  # rank 0's first clip, rank 1's first clip
+    bad = BadClips(Manifest(data / "manifest.csv"), list(range(len(rows))), seed=seed)
+    assert not {bad.replacement(hit[0], 0), bad.replacement(hit[1], 0)} & set(hit)
+    for i in hit:
+        video = data / rows[i]["video"]
+        video.write_bytes(video.read_bytes()[:video.stat().st_size // 2])
+    return data / "manifest.csv"
+
+
+def test_max_bad_clips_counts_the_whole_run_over_ranks_and_attempts(tiny_prepared, tmp_path):
+    """--max-bad-clips 1 on 2 forked gloo ranks, each meeting 1 damaged clip (neither rank alone
+    passes the limit; the run's 2 do): both stop after the same step (2: the step whose record
+    first holds both, read one step late) with the one line naming the run's 2. Running the same
+    command again (limit 1; rank 0 counts the clips the files list, each rank only those it
+    lists first) stops again after its first step, naming 2 — not a count started afresh; one
+    process with --max-bad-clips 2 trains on through epoch 1, where it meets both clips again
+    (listed: not counted again), metrics.csv counting the run's 2. (Before: the largest count of
+    one rank, per attempt, and the run trained on to its end.)"""
+    from cmacc.trainer import Trainer
+    from ranks import run_ranks
+
+    seed, out = 5, tmp_path / "run"
+    manifest = _one_damaged_clip_a_rank(tiny_prepared, tmp_path, seed)
+
+    def config(limit, steps=3):
+        return train.config_from_args(train.build_parser().parse_args(
+            SMALL + ["--data", str(manifest), "--loader", "reference", "--seed", str(seed),
+                     "--dict-init", "random", "--steps", str(steps), "--max-bad-clips", str(limit),
+                     "--device", "cpu", "--dist-timeout", "10", "--out", str(out)]))
+
+    def rank_fn(rank):
+        t = Trainer(config(1))
+        try:
+            t.run()
+        except Exception as e:  # noqa: BLE001 - the line and the step, per rank
+            return t.step, type(e).__name__, str(e)
+        return t.step, None, None
+
+    line = (f"{manifest}: 2 damaged clips, more than --max-bad-clips 1 (listed in "
+            f"{out}/bad_clips.rank*.csv); re-run `python -m data_dali.prepare` on their sources, "
+            "or raise --max-bad-clips")
+    first = run_ranks(rank_fn, timeout=60)
+    assert first == [("ok", (2, "UsageError", line))] * 2, first
+    mine = [len(_bad_rows_of(out / f"bad_clips.rank{r}.csv")) for r in (0, 1)]
+    assert mine == [1, 1]  # each rank met one: neither alone is past the limit
+    again = run_ranks(rank_fn, timeout=60)  # resumed at step 2; no damaged clip in step 3
+    assert again == [("ok", (3, "UsageError", line))] * 2, again
+    Trainer(config(2, steps=6)).run()  # one process: the run's 2 are not past 2
+    metrics = list(csv.DictReader(open(out / "metrics.csv", newline="")))
+    assert [(int(r["step"]), float(r["bad_clips"])) for r in metrics] == [(3, 2), (6, 2)]
+    assert sorted(int(r["index"]) for r in listed_clips(out / "bad_clips.csv")) == sorted(
+        int(r["index"]) for f in ("bad_clips.rank0.csv", "bad_clips.rank1.csv")
+        for r in _bad_rows_of(out / f))  # each clip listed once, in the rank that met it
+
+
+def _bad_rows_of(path):
+    return list(csv.DictReader(open(path, newline="")))

@@ -167,3 +167,25 @@ def test_records_are_read_up_to_the_step_asked_and_host_facts_travel_with_them()
         _check(guard, 2 + step)
     with pytest.raises(RuntimeError, match="never read"):
         _check(guard, 9)
+
+
+def test_over_ranks_one_sum_adds_the_damaged_shares_and_any_ranks_flag_counts_once():
+    """2 forked gloo ranks, one all-reduce (SUM) a step: the damaged clips' shares add up (the
+    run's count: 2 + 3), while a flag set on both ranks (a NaN loss, a stop signal) or on one
+    (the gradients) is one flag, and one skipped step, not two. (Before: MAX, the largest
+    share.)"""
+    from cmacc import distributed as du
+    from ranks import run_ranks
+
+    def rank_fn(rank):
+        du.init_process_group("gloo", 20)
+        guard = StepGuard("cpu", 2, halt_on_nonfinite=False, max_skipped=1)
+        skips = [_check(guard, 0, loss=math.nan, signalled=True, damaged=2 + rank),
+                 _check(guard, 1, grads_ok=rank == 0, damaged=2 + rank), _check(guard, 2)]
+        return skips, guard.read(2), float(guard.skipped), float(guard.halted)
+
+    res = run_ranks(rank_fn, timeout=60)
+    skips, records, skipped, halted = res[0][1]
+    assert res[0] == res[1] and skips == [1.0, 1.0, 1.0] and (skipped, halted) == (2.0, 1.0)
+    assert [(r["bad"], r["signalled"], r["damaged"], r["skipped"]) for r in records] == [
+        (["loss"], True, 5, True), (["gradients"], False, 5, True), ([], False, 0, True)]

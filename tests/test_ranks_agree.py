@@ -1,8 +1,9 @@
 """What the ranks of a run must agree on at its start, with 2 CPU ranks (gloo) in forked
 processes: the checkpoint to resume from and an agreed stop are rank 0's choice even where
-another rank's listing lags (NFS); a lock file that cannot be written stops every rank in one
-line; a collective that a rank never joins fails after --dist-timeout; and the --out lock does
-not outlive its run in a forked loader worker."""
+another rank's listing lags (NFS); whether an attempt is a torchrun restart is agreed where
+the ranks' counts differ; a lock file that cannot be written stops every rank in one line; a
+collective that a rank never joins fails after --dist-timeout; and the --out lock does not
+outlive its run in a forked loader worker."""
 
 import errno
 import os
@@ -197,3 +198,43 @@ def test_each_rank_lists_damaged_clips_in_its_own_file_and_a_resume_reads_them_a
     resumed = BadClips(_stub_manifest(8), list(range(8)), limit=9,
                        csv_path=rank_csv(tmp_path / "bad_clips.csv", 0, 1))
     assert resumed.listed == {1, 2, 3} and set(listed) == {1, 2, 3}
+
+
+SMALL = ["--preset", "tiny", "--clips", "32", "--classes", "4", "--batch-size", "4",
+         "--dict-size", "8", "--pool-size", "16", "--sampler", "random", "--log-every", "2",
+         "--device", "cpu", "--dist-timeout", "10"]
+
+
+def _config(out, *flags):
+    import train
+
+    return train.config_from_args(train.build_parser().parse_args(
+        SMALL + ["--out", str(out), *flags]))
+
+
+@pytest.mark.parametrize("counts", [(1, 0), (0, 1)], ids=["rank0-counted", "rank1-counted"])
+def test_ranks_whose_agents_counted_restarts_differently_start_the_same_way(tmp_path, counts):
+    """torchrun counts restarts per agent (only the node whose worker failed counts; a
+    replacement node starts at 0), so the ranks of one restarted attempt see different
+    TORCHELASTIC_RESTART_COUNTs (set here per rank, 2 forked gloo ranks, whole runs). They must
+    enter the same collectives and decide alike: with this job's agreed stop recorded, both
+    repeat its line at once; without one, both resume from the checkpoint of the job's first
+    attempt (--resume none applies to a first attempt only) and train on. (Before: the ranks
+    with count 0 skipped the stop's broadcast, so the next broadcasts paired up across call
+    sites: a rank unpacked None, or rank 0, seeing no restart, refused the folder.) Each rank
+    is bounded by --dist-timeout 10 s and the whole by 60 s."""
+    out = tmp_path / "run"
+    Trainer(_config(out, "--steps", "2")).run()  # the job's first attempt (one process)
+    env = dict(TORCHELASTIC_RUN_ID="job9", TORCHELASTIC_MAX_RESTARTS="3")
+
+    def rank_fn(rank):
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = str(counts[rank])
+        t = Trainer(_config(out, "--steps", "4", "--resume", "none"))
+        t.run()
+        return t.step, t.resume_from[0].name if t.resume_from else None, t.restart
+
+    ckpt.write_stop(out, "the agreed line", 2, "job9", 2)
+    assert run_ranks(rank_fn, env=env) == [("error", "UsageError: the agreed line")] * 2
+    assert not (out / "ckpt_00000004.pt").exists()  # nothing trained
+    (out / ckpt.STOP_FILE).unlink()
+    assert run_ranks(rank_fn, env=env) == [("ok", (4, "ckpt_00000002.pt", 1))] * 2
