@@ -103,6 +103,10 @@ PLAN = [  # (regex matched against the command from its start, Run or Skip); fir
     (r"python -m data_dali\.manifest_tools (stats|subset) runs/demo/", Run()),
     (r"python train\.py --preset tiny ", Run(("--steps", "2", "--clips", "24", "--classes", "4"),
                                              "2 steps, 24 clips")),
+    (r"python train\.py --preset paper --data data/my_set/manifest\.csv ", Run(
+        ("--device", "cpu", "--preset", "tiny", "--steps", "2", "--batch-size", "4", "--dict-size",
+         "8", "--pool-size", "16", "--loader", "reference", "--workers", "0"),
+        "on the CPU, tiny preset, 2 steps of 4 clips (the 12 prepared stand-in clips)")),
     (r"python train\.py .*--device cuda", Skip(GPU + " (and a prepared dataset)")),
     (r"torchrun .*--device cuda", Skip("needs several GPUs (and a prepared dataset)")),
     (r"TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ", Skip(
@@ -112,6 +116,8 @@ PLAN = [  # (regex matched against the command from its start, Run or Skip); fir
     (r"torchrun --nnodes=1:2 ", Skip("two agents at once, one per shell, and a node killed "
                                      "by hand; tests/test_elastic.py runs them")),
     (r"python -m cmacc\.apps\.plot ", Run()),
+    (r"python -m cmacc\.apps\.eval runs/k400 ", Skip("needs Kinetics pretrained on and UCF-101 "
+                                                       "prepared")),
     (r"python -m cmacc\.apps\.eval .*--protocol finetune", Run(("--epochs", "1", "--clips", "1"),
                                                               "1 epoch, 1 test clip a video")),
     (r"python -m cmacc\.apps\.eval ", Run(("--clips", "1"), "1 test clip a video")),
