@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from cmacc.config import (AMPS, DICT_INITS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS, OBJECTIVES,
+from cmacc.config import (AMPS, DICT_INITS, DIST_BACKENDS, GRAD_VIEWS, KMEANS_VARIANTS, LOADERS,
+                          OBJECTIVES,
                           POOL_MODES, PRESETS, SAMPLERS, SELECT_FACTORS, SELECT_IMPLS,
                           SELECT_PRECISIONS)
 from cmacc.encoders import VIDEO_ARCHS
@@ -73,6 +74,9 @@ FLAGS = {
         ("--max-nonfinite", "run.max_nonfinite", dict(type=int, help="with skip: stop after this many (default 10)")),
         ("--dist-timeout", "run.dist_timeout", dict(type=float, help="torchrun: seconds a collective waits for a rank that never "
                                                     "joins (a lost node) before the others fail and restart (default 300)")),
+        ("--dist-backend", "run.dist_backend", dict(choices=DIST_BACKENDS, help=(
+            "torchrun: the process group's backend (default auto: NCCL on CUDA, gloo on the CPU); "
+            "gloo on CUDA lets ranks share a GPU, a test of the distributed paths (slow)"))),
         ("--tensorboard", "run.tensorboard", dict(action="store_const", const=True, help="also write OUT/tb")),
         ("--no-shuffle-bn", "run.shuffle_bn", dict(action="store_const", const=False, help="no shuffle-BN in the key encoders")),
         ("--dict-init", "run.dict_init", dict(choices=DICT_INITS, help="encode K random clips (paper) or random keys")),

@@ -39,9 +39,12 @@ every key):
    k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
    (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
    bf16 r3d_18 key-encoder forward on the main stream, at default and at high priority;
-7. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
+7. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
+   ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
+   resume: the distributed paths on CUDA tensors before a multi-GPU run;
+8. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
    a line saying why it was skipped;
-8. ``ncu``: Nsight Compute (``--set basic``, 3 launches) on the selection's kernels:
+9. ``ncu``: Nsight Compute (``--set basic``, 3 launches) on the selection's kernels:
    ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
 
 and a closing ``end`` line (failed and skipped parts, the clocks after the session).
@@ -84,8 +87,8 @@ import torch  # noqa: E402  (no CUDA call at import time, here or in the parts' 
 from bench.gpu_check import _env_without_interpreter, _how_it_ended  # noqa: E402
 from bench.session_common import Skipped, nvidia_smi_clocks  # noqa: E402
 from bench.session_parts import (ncu_target, part_compile, part_convs, part_dali,  # noqa: E402
-                                 part_env, part_loader, part_ncu, part_pairs, part_profile,
-                                 part_select)
+                                 part_dist, part_env, part_loader, part_ncu, part_pairs,
+                                 part_profile, part_select)
 from data_dali.cli import first_line  # noqa: E402
 from data_dali.fileio import atomic_write_text  # noqa: E402
 
@@ -137,6 +140,9 @@ PARTS = {  # in the order they run: the most valuable first
     "select": Spec(part_select, 60, 25, (
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),
+    "dist": Spec(part_dist, 120, 45, (
+        "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
+        "resumed")),
     "dali": Spec(part_dali, 60, 20, ("manifest", "summary", "clips_per_s")),
     "ncu": Spec(part_ncu, 90, 30, ("command", "report", "csv", "kernels")),
 }

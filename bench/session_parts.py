@@ -29,11 +29,12 @@ from pathlib import Path
 import torch
 
 from bench.gpu_check import PartFailed, _pool, _time_settings, dali_throughput, versions
-from bench.session_common import (Skipped, bench_ms, nvidia_smi_clocks, sizes, sync,
+from bench.session_common import (Skipped, _rows, bench_ms, nvidia_smi_clocks, sizes, sync,
                                   trainer_run, wall_ms)
 from data_dali.cli import first_line
 
 DRIVER = Path(__file__).resolve().with_name("gpu_session.py")  # the command (ncu's target too)
+ROOT = DRIVER.parents[1]
 
 # record_function ranges of the trainer, the model and the prefetching loader (reported if seen)
 RANGES = ("gather", "pin", "h2d", "momentum", "query_forward", "select_v", "select_a",
@@ -541,6 +542,44 @@ def part_select(args, report) -> dict:
                                              f"autocast, batch {m}, {dc.frames}x{dc.size}x"
                                              f"{dc.size}"),
                 encoder_ms=enc_ms, selections_ms=sel_ms, beside=beside)
+
+
+def part_dist(args, report) -> dict:
+    """``torchrun --nproc_per_node 2`` on the one GPU with gloo over CUDA tensors
+    (``--dist-backend gloo``: the ranks share it): DDP's gradient all-reduce, shuffle-BN's
+    all-to-all, the queues' gathers, the selection on every rank, the per-step all-reduce, a
+    checkpoint, and a resume from it; so device placement and dtype errors of the distributed
+    paths show before a user's first multi-GPU run (a test, not a speed figure)."""
+    sz = sizes(args)
+    small = (["--clips", "96"] if args.dry_run else
+             ["--batch-size", "16", "--dict-size", "160", "--pool-size", "480", "--clips", "256",
+              "--amp", "bf16"])
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run"
+        common = ["--preset", sz.preset, "--device", sz.device, "--dist-backend", "gloo",
+                  "--pool-mode", "epoch", "--log-every", "2", "--out", str(out), *small]
+        for steps, extra in ((4, ["--ckpt-every", "2"]), (6, [])):  # the second resumes at 4
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2", "train.py", *common, "--steps", str(steps), *extra]
+            t0 = time.monotonic()
+            p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"),
+                               timeout=max(30.0, args.cap - 10))
+            runs.append(dict(steps=steps, returncode=p.returncode,
+                             seconds=round(time.monotonic() - t0, 1),
+                             resumed="resumed run" in p.stderr,
+                             tail=p.stderr.strip().splitlines()[-8:]))
+            report(runs=runs)
+            if p.returncode != 0:
+                raise PartFailed(f"torchrun 2 ranks, --dist-backend gloo, {steps} steps: exit "
+                                 f"{p.returncode}: " + " | ".join(runs[-1]["tail"][-4:]))
+        rows = _rows(out / "metrics.csv")
+    last = rows[-1] if rows else {}
+    return dict(world=2, backend="gloo", device=sz.device, runs=runs,
+                steps=int(last.get("step", 0)), loss=last.get("loss"),
+                active=last.get("active"), clips_per_s=last.get("clips_per_s"),
+                resumed=runs[-1]["resumed"])
 
 
 def part_dali(args, report) -> dict:

@@ -34,6 +34,7 @@ KMEANS_VARIANTS = ("steps", "persistent")  # k-means++: a launch per step, or on
 # k-means++ on a GPU: the variant measured fastest on the device for the pool (auto), every D
 # each step (eager: --kmeans's variant), the lazy race, or the factors resident on chip in one
 # cooperative launch (pools that do not fit run the per-step variant): kernels/triton_select.py
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # torch.distributed backends a run may use
 SELECT_IMPLS = ("auto", "eager", "lazy", "resident")
 DICT_INITS = ("encode", "random")
 AMPS = ("none", "bf16", "fp16")
@@ -283,6 +284,9 @@ class RunConfig:
     # seconds a collective waits for a rank that never joins (a lost node) before the
     # survivors fail and torchrun restarts them: docs/RELIABILITY.md, "A lost node"
     dist_timeout: float = 300.0
+    # torch.distributed's backend: auto = NCCL on CUDA, gloo on the CPU; gloo on CUDA tensors
+    # lets several ranks share one GPU (a test of the distributed paths before a cluster)
+    dist_backend: str = "auto"
 
     def __post_init__(self):
         _positive(self, "steps", "log_every", "keep")
@@ -295,6 +299,7 @@ class RunConfig:
                  max_nonfinite=2 ** 40)
         _choice("device", self.device, ("cpu", "cuda"))
         _choice("dict_init", self.dict_init, DICT_INITS)
+        _choice("dist_backend", self.dist_backend, DIST_BACKENDS)
         if not (isinstance(self.dist_timeout, (int, float)) and 1 <= self.dist_timeout <= 86400):
             raise ValueError(f"dist_timeout must be 1 to 86400 seconds, got {self.dist_timeout!r}")
 

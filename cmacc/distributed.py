@@ -62,6 +62,32 @@ def restarts_allowed() -> bool:
         return False
 
 
+def backend_for(device: str, asked: str = "auto") -> str:
+    """The process group's backend: NCCL for CUDA and gloo for the CPU (``auto``), or the one
+    asked for (``--dist-backend``: gloo over CUDA tensors lets ranks share a GPU)."""
+    if asked == "auto":
+        return "nccl" if device == "cuda" else "gloo"
+    if asked == "nccl" and device != "cuda":
+        raise ValueError("--dist-backend nccl needs --device cuda (NCCL moves CUDA tensors "
+                         "only); use gloo or auto on the CPU")
+    return asked
+
+
+def rank_device(local_rank: int, gpus: int, backend: str) -> int:
+    """The GPU of a rank: its LOCAL_RANK; with more ranks on a node than GPUs, NCCL refuses (one
+    GPU a rank), gloo shares them round robin (``local_rank % gpus``)."""
+    if gpus < 1:
+        raise ValueError("no CUDA device is visible to this rank (CUDA_VISIBLE_DEVICES?)")
+    if local_rank < gpus:
+        return local_rank
+    if backend == "nccl":
+        raise ValueError(f"LOCAL_RANK {local_rank} but {gpus} GPU(s) visible on this node: NCCL "
+                         f"needs a GPU a rank; start at most {gpus} per node (torchrun "
+                         f"--nproc_per_node {gpus}), or pass --dist-backend gloo to share them "
+                         "(a test of the distributed paths, not a fast run)")
+    return local_rank % gpus
+
+
 def init_process_group(backend: str, timeout: float | None = None) -> None:
     """The default group from torchrun's environment, its store keys under this attempt's own
     prefix when the store is the agent's. torchrun's agent may keep serving one store across

@@ -252,9 +252,20 @@ class Trainer(RunFolder):
                              "or use --device cpu")
         created = False
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not du.is_dist():
-            if run.device == "cuda":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            du.init_process_group("nccl" if run.device == "cuda" else "gloo", run.dist_timeout)
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            try:
+                backend = du.backend_for(run.device, run.dist_backend)
+                index = (du.rank_device(local, torch.cuda.device_count(), backend)
+                         if run.device == "cuda" else None)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
+            if index is not None:
+                if index != local:
+                    log.warning("LOCAL_RANK %d shares GPU %d (--dist-backend gloo, more ranks "
+                                "than GPUs: a test of the distributed paths, not a fast run)",
+                                local, index)
+                torch.cuda.set_device(index)
+            du.init_process_group(backend, run.dist_timeout)
             created = True
             warning = du.shared_store_warning()
             if warning and du.rank() == 0:

@@ -216,3 +216,28 @@ def test_a_killed_rank_is_restarted_and_the_run_finishes_as_if_uninterrupted(tmp
     want = ckpt.load(ref / "ckpt_00000020.pt")
     torch.testing.assert_close(final["model"], want["model"], rtol=0, atol=0)
     torch.testing.assert_close(final["optimizer"], want["optimizer"], rtol=0, atol=0)
+
+
+def test_the_backend_and_each_ranks_gpu_follow_the_flag():
+    """--dist-backend auto: NCCL on CUDA, gloo on the CPU; a rank's GPU is its LOCAL_RANK; with
+    more ranks on a node than GPUs NCCL is refused in one line naming the fix, and gloo shares the
+    GPUs round robin (the prepared GPU session runs 2 ranks on its one GPU so)."""
+    from cmacc import distributed as du
+
+    assert du.backend_for("cuda") == "nccl" and du.backend_for("cpu") == "gloo"
+    assert du.backend_for("cuda", "gloo") == "gloo"
+    with pytest.raises(ValueError, match="needs --device cuda"):
+        du.backend_for("cpu", "nccl")
+    assert [du.rank_device(r, 8, "nccl") for r in range(8)] == list(range(8))
+    assert [du.rank_device(r, 1, "gloo") for r in range(3)] == [0, 0, 0]
+    assert [du.rank_device(r, 2, "gloo") for r in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but 1 GPU\(s\).*--nproc_per_node 1.*"
+                                         r"--dist-backend gloo"):
+        du.rank_device(1, 1, "nccl")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        du.rank_device(0, 0, "gloo")
+    import train
+
+    parse = train.build_parser().parse_args
+    assert train.config_from_args(parse(["--dist-backend", "gloo"])).run.dist_backend == "gloo"
+    assert train.config_from_args(parse([])).run.dist_backend == "auto"

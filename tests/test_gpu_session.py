@@ -67,7 +67,7 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert list(lines[-1]) == list(gs.HEAD) + list(gs.END)
     by = {ln["part"]: ln for ln in lines}
     assert by["env"]["status"] == "ok" and by["env"]["dry_run"] is True
-    for name in ("pairs", "profile", "convs", "loader", "compile", "select"):
+    for name in ("pairs", "profile", "convs", "loader", "compile", "select", "dist"):
         assert by[name]["status"] == "ok", by[name]
     assert by["dali"]["status"] == "skipped" and "dry run" in by["dali"]["why"]
     assert by["ncu"]["status"] == "skipped" or by["ncu"]["status"] == "ok"  # ncu on PATH or not
@@ -85,6 +85,9 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert set(by["convs"]["encoder"]) >= {"off", "on", "gflop_fwd_bwd"}
     assert by["loader"]["prefetch"] in ("absent",) or by["loader"]["prefetch_batches_per_s"] > 0
     assert by["compile"]["error"] is None and by["compile"]["step_ms"] > 0
+    dist = by["dist"]  # 2 gloo ranks: 4 steps with a checkpoint, then resumed to 6
+    assert dist["steps"] == 6 and dist["resumed"] and dist["active"] == 1.0, dist
+    assert [r["returncode"] for r in dist["runs"]] == [0, 0]
     sel = by["select"]
     assert [r["kmeans"] for r in sel["alone"]] == ["steps", "steps"]
     assert all("ms" in r for r in sel["alone"]) and set(sel["beside"]) == {"default", "high"}
