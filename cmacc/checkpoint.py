@@ -139,11 +139,13 @@ class Checkpoints:
     fsync, rename), reads the file back, records it in OUT/run.json, and only then deletes this
     run's older checkpoints beyond ``keep`` — never another run's, never the newest valid one."""
 
-    def __init__(self, out_dir, run_id: str, keep: int = 3):
+    def __init__(self, out_dir, run_id: str, keep: int = 3, writer: bool = True):
+        """``writer=False`` (ranks other than 0, which never save): OUT/run.json is not read
+        (a partial read on a network filesystem must not fail a rank that needs nothing of it)."""
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.out, self.run_id, self.keep = Path(out_dir), run_id, keep
-        info = read_run(self.out)
+        info = read_run(self.out) if writer else None
         self.mine = list(info["checkpoints"]) if info and info["run_id"] == run_id else []
         self.last: Path | None = None  # the newest valid checkpoint of this run
 

@@ -362,7 +362,7 @@ class Trainer(RunFolder):
         cfg, model = self.cfg, self.model
         purge = None
         if self.resume_from is not None:
-            path, state = self.resume_from
+            path, state = self.resume_from  # (dropped below, once loaded)
             model.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
             self.scaler.load_state_dict(state["scaler"])
@@ -380,9 +380,11 @@ class Trainer(RunFolder):
             if cfg.model.objective == "cross":
                 init_dictionaries(model, self.loader, cfg.run.dict_init, self.device)
             purge = self._drop_rows_after(0)
-        self.store = ckpt.Checkpoints(self.out, self.run_id, keep=cfg.run.keep)
+        self.store = ckpt.Checkpoints(self.out, self.run_id, keep=cfg.run.keep,
+                                      writer=self.rank == 0)  # (only rank 0 reads run.json)
         if self.resume_from is not None:
             self.store.last = self.resume_from[0]
+            self.resume_from = None  # the loaded state (~0.6 GB at the paper preset) is let go
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 purge_step=purge, total=cfg.run.steps, start_step=self.step)
         bad = getattr(self.loader, "bad", None)

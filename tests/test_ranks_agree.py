@@ -238,3 +238,40 @@ def test_ranks_whose_agents_counted_restarts_differently_start_the_same_way(tmp_
     assert not (out / "ckpt_00000004.pt").exists()  # nothing trained
     (out / ckpt.STOP_FILE).unlink()
     assert run_ranks(rank_fn, env=env) == [("ok", (4, "ckpt_00000002.pt", 1))] * 2
+
+
+def test_only_rank_0_reads_run_json_and_no_rank_keeps_the_loaded_checkpoint(tmp_path):
+    """A rank other than 0 never reads OUT/run.json (here: every read of it on rank 1 fails, as
+    a partial NFS read would), and once the run has resumed no rank holds the loaded state
+    (~0.6 GB a rank at the paper preset): the checkpoint's model dict is freed before the first
+    step."""
+    import gc
+    import weakref
+
+    cfg = CFG.replace(data=dict(clips=64), run=dict(out=str(tmp_path), steps=2, log_every=1))
+    assert Trainer(cfg).run()["steps"] == 2
+
+    def rank_fn(rank):
+        if rank == 1:
+            ckpt.read_run = lambda out: (_ for _ in ()).throw(OSError(5, "Input/output error"))
+        loaded, real_load, seen = [], ckpt.load, []
+
+        def load(path):
+            state = real_load(path)
+            loaded.append(weakref.ref(state["model"]))
+            return state
+
+        ckpt.load = load
+        real_step = Trainer._train_step
+
+        def step(self, batch):
+            gc.collect()
+            seen.append(self.resume_from is None and all(r() is None for r in loaded))
+            return real_step(self, batch)
+
+        Trainer._train_step = step
+        t = Trainer(cfg.replace(run=dict(steps=4)))
+        t.run()
+        return t.step, bool(loaded), all(seen)
+
+    assert run_ranks(rank_fn) == [("ok", (4, True, True))] * 2
