@@ -150,14 +150,15 @@ def test_the_demo_verdict_follows_the_t_interval_over_seeds(diffs, says):
 
 @pytest.mark.parametrize("diffs", [[0.10, 0.12, 0.08], [0.05, -0.04, 0.01], [-0.10, -0.12, -0.08],
                                    [0.05], [0.02, 0.03, 0.021, 0.4, -0.1]])
-def test_the_demo_says_why_exactly_when_its_interval_does_not_show_active_above_random(diffs):
-    """demo.why_not: no lines when the 95% t-interval (scipy's quantile) lies above 0; otherwise
-    the runs' pretext-accuracy range, every seed's difference, the interval's half-width, the
-    crop only where the files are cropped hard, and where the mechanism does show."""
+def test_the_demo_says_why_not_exactly_when_its_interval_holds_0(diffs):
+    """demo.why_not: no lines when the 95% t-interval (scipy's quantile) excludes 0, above or
+    below (a difference shown: its words are demo.below_lines'); otherwise the runs'
+    pretext-accuracy range, every seed's difference, the interval's half-width, the crop only
+    where the files are cropped hard, and where the mechanism does show."""
     from cmacc.apps import demo
 
     acc = [0.071, 0.108, 0.093]
-    shows = len(diffs) > 1 and np.mean(diffs) - stats.t.ppf(0.975, len(diffs) - 1) * np.std(
+    shows = len(diffs) > 1 and abs(np.mean(diffs)) - stats.t.ppf(0.975, len(diffs) - 1) * np.std(
         diffs, ddof=1) / np.sqrt(len(diffs)) > 0
     for data, augment, scale, crop in (("files", demo.AUGMENTS, 0.3, True),
                                        ("files", ("flip",), 0.3, False),
@@ -175,6 +176,68 @@ def test_the_demo_says_why_exactly_when_its_interval_does_not_show_active_above_
             assert all(f"{d:+.3f}" in text for d in diffs)
             half = stats.t.ppf(0.975, len(diffs) - 1) * np.std(diffs, ddof=1) / np.sqrt(len(diffs))
             assert f"±{half:.3f}" in text
+
+
+# (mean, half-width, per-seed values) of active − random, constructed: one interval per side
+ABOVE = (0.105, 0.030, [0.115, 0.109, 0.092])
+BELOW = (-0.073, 0.031, [-0.083, -0.059, -0.078])  # issue 51's 2-core EPYC run
+HOLDS = (-0.050, 0.123, [-0.002, -0.101, -0.047])
+TOUCHES = (0.030, 0.030, [0.02, 0.03, 0.04])  # its lower end is 0: it holds 0
+
+
+@pytest.mark.parametrize("interval, side", [(ABOVE, "above"), (BELOW, "below"),
+                                            (HOLDS, "holds"), (TOUCHES, "holds"),
+                                            ((0.05, float("nan"), [0.05]), "none")])
+def test_the_demo_verdict_words_follow_the_side_of_0_its_interval_lies_on(interval, side):
+    """demo.verdict_text: above 0, "more varied" and nothing after it; below 0, "less varied"
+    and what the evidence shows (these runs, the recorded runs of make demo on such hosts, 9
+    of 9 seeds below, the MI study's long-tailed cell; no claim of cause), never "why this run
+    cannot show it"; holding 0 (or one seed), that the budget cannot show a difference, and
+    why. The same words whatever the augmentation, the recorded runs only for make demo's own
+    setting."""
+    from cmacc.apps import demo
+
+    mean, half, per = interval
+    acc = [0.071, 0.108, 0.093]
+    for data, augment, scale in (("files", demo.AUGMENTS, 0.3), ("files", (), 0.3),
+                                 ("toy", (), 0.3)):
+        lines = demo.verdict_text(mean, half, per, acc, data, augment, scale)
+        text = "\n".join(lines)
+        assert f"{mean:+.3f}" in lines[0] and all(f"{d:+.3f}" in lines[0] for d in per)
+        assert ("more varied negatives than random" in text) == (side == "above")
+        assert ("less varied negatives than random" in text) == (side == "below")
+        assert ("cannot show" in text) == (side in ("holds", "none"))
+        assert ("why this run cannot show it:" in lines) == (side in ("holds", "none"))
+        assert ("what the evidence shows" in text) == (side == "below")
+        if side == "above":
+            assert len(lines) == 1
+        if side == "below":
+            assert "because" not in text and "causes" not in text
+            assert "the MI study's long-tailed cell found the same" in text
+            assert "3 of 3 seeds" in text
+            paper = data == "files" and augment == demo.AUGMENTS
+            assert ("9 of 9 seeds" in text) == paper
+            assert ("with the paper's augmentation through the files, active's negatives are "
+                    "less varied than random's" in text) == paper
+        if side == "holds":
+            assert f"±{half:.3f}" in text and "holds 0" in lines[0]
+        if side == "none":
+            assert "one seed gives no interval" in lines[0]
+
+
+def test_the_demo_below_0_is_not_followed_by_why_it_cannot_show_it():
+    """Issue 51's run: −0.073 ± 0.031 excludes 0 below, so the demo's explanation is not
+    "why this run cannot show it" (why_not: nothing), and the recorded runs it quotes are the
+    documented ones, every seed below random."""
+    from cmacc.apps import demo
+
+    mean, half, per = BELOW
+    assert demo.why_not(per, [0.08, 0.09], "files", demo.AUGMENTS, 0.3) == []
+    recorded = [d for *_, ds in demo.RECORDED_FILES_RUNS for d in ds]
+    assert len(recorded) == 9 and all(d < 0 for d in recorded)
+    for _, m, h, ds in demo.RECORDED_FILES_RUNS:
+        assert m == pytest.approx(np.mean(ds), abs=6e-4)  # the printed means, from these seeds
+    assert "holds 0 on" not in demo.__doc__ and "9 of those 9 seeds" in demo.__doc__
 
 
 def test_the_demo_states_its_augmentation_and_passes_it_to_every_run(monkeypatch, tmp_path, capsys):
@@ -278,11 +341,179 @@ def test_the_mi_diversity_figure_has_its_own_title_and_draws_one_window_runs(tmp
     monkeypatch.setattr(report, "report", lambda results: "")  # (the figures only)
     monkeypatch.setattr(report, "_plot", lambda results, png: None)
     report.write_outputs(res, tmp_path)
-    assert {png: fig._suptitle.get_text() for png, (fig, _) in saved.items()} == {"mi_curves.png": "training curves, mean over the 1 seed(s) run",
-                      "mi_diversity.png": "negative diversity over training, mean over the 1 "
-                                          "seed(s) run"}
+    assert {png: fig._suptitle.get_text() for png, (fig, _) in saved.items()} == {
+        "mi_curves.png": "training curves,\nmean ± 95% t-band over the 1 seed(s) run (no band "
+                         "from one)",
+        "mi_diversity.png": "negative diversity over training,\nmean ± 95% t-band over the 1 "
+                            "seed(s) run (no band from one)"}
     assert _drawn_at(saved["mi_diversity.png"], 10, 0.5, report._color("CM-ACC"))
     assert _drawn_at(saved["mi_curves.png"], 10, 1.0, report._color("CM-ACC"))
+
+
+def _band_ys(ax) -> list[tuple[float, float]]:
+    """(lowest, highest) y of every filled band (fill_between) on a panel."""
+    out = []
+    for c in ax.collections:
+        ys = np.concatenate([p.vertices[:, 1] for p in c.get_paths()])
+        out.append((float(ys.min()), float(ys.max())))
+    return out
+
+
+def test_the_diversity_bands_stay_in_the_metrics_range_and_say_how_many_seeds(tmp_path,
+                                                                             monkeypatch):
+    """diversity.png from 2 seeds far apart (t_1 = 12.7): the bands it draws stay in [0, 1]
+    (unique/M, coverage, pretext accuracy), unique/M's under the data's ceiling where given, and
+    the legend says n = 2 seeds; one seed draws no band and says so."""
+    saved = _saving(monkeypatch, analysis)
+
+    def run(u, a):
+        return [{"step": 10 * (i + 1), "unique_per_m": u, "coverage": min(1.0, 1.5 * u),
+                 "acc": a} for i in range(8)]
+
+    curves = {"random": [run(0.95, 0.02), run(0.55, 0.30)],
+              "active": [run(0.90, 0.05), run(0.60, 0.25)]}
+    analysis.plot_diversity(curves, tmp_path / "diversity.png", 0.7)
+    fig, _ = saved["diversity.png"]
+    for ax in fig.axes:
+        bands = _band_ys(ax)
+        assert len(bands) == 2  # one per sampler
+        assert all(0.0 <= lo and hi <= 1.0 for lo, hi in bands), bands
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert sum("n = 2 seeds" in t for t in legend) == 2, legend
+    analysis.plot_diversity(curves, tmp_path / "ceil.png", 0.7, ceiling=0.8,
+                            saturated="C = 13 <= M = 16")
+    fig, _ = saved["ceil.png"]
+    assert all(hi <= 0.8 + 1e-9 for _, hi in _band_ys(fig.axes[0]))
+    assert all("saturated: C <= M, so unique/M <= C/M = 0.800" in ax.get_title()
+               for ax in fig.axes[:2])
+    analysis.plot_diversity({"active": [run(0.9, 0.05)]}, tmp_path / "one.png")
+    fig, _ = saved["one.png"]
+    assert all(not ax.collections for ax in fig.axes)
+    assert "n = 1 seed, no band" in fig.axes[0].get_legend().get_texts()[0].get_text()
+
+
+def _mi_results(batch=128, sizes=(47, 42, 40, 45, 41, 30, 26, 40)) -> dict:
+    """A hand-built mi.json of diversity curves: CM-ACC and XMoCo at l = 3 and 8, 2 seeds,
+    flat to within 0.002; SMoCo recorded only NaN (nothing to draw)."""
+    def run(seed, u):
+        return {"seed": seed, "unique_per_m": [u, u + 0.001, u - 0.001, u + 0.002],
+                "coverage": [3 * u] * 4, "probe": 0.3, "probe_seen": 0.5, "steps": 40}
+
+    nan = float("nan")
+    return dict(chars=[3, 8], methods=["SMoCo", "XMoCo", "CM-ACC"], samplers=[],
+                alphabet_sizes=list(sizes), config=dict(window=10, batch=batch),
+                runs={"XMoCo": {"3": [run(0, 0.319), run(1, 0.318)],
+                                "8": [run(0, 0.230), run(1, 0.229)]},
+                      "CM-ACC": {"3": [run(0, 0.320), run(1, 0.317)],
+                                 "8": [run(0, 0.229), run(1, 0.231)]},
+                      "SMoCo": {"3": [{"seed": 0, "unique_per_m": [nan] * 4,
+                                       "coverage": [nan] * 4, "probe": 0.2,
+                                       "probe_seen": 0.4}]}},
+                diversity_law={"3": {"unique_per_m": 0.319, "coverage": 0.95,
+                                     "unique_per_m_ceiling": 0.336},
+                               "8": {"unique_per_m": 0.230, "coverage": 0.97,
+                                     "unique_per_m_ceiling": 0.236}})
+
+
+def test_the_mi_diversity_panels_share_a_y_axis_show_intervals_and_name_what_is_drawn(
+        tmp_path, monkeypatch):
+    """mi_diversity.png: one y axis per row (the same limits at l = 3 and 8), at least 0.1
+    tall, so a 0.002 wobble is not drawn as a climb; each method's 95% band over its seeds in
+    [0, 1]; a legend entry only for what draws a line (SMoCo's NaN-only record does not);
+    C <= M at every position (Omniglot's alphabets, M = 128) written on the unique/M panels,
+    not where an alphabet has more characters than M."""
+    import importlib
+
+    report = importlib.import_module("cmacc.apps.mi.report")
+    saved = _saving(monkeypatch, report)
+    monkeypatch.setattr(report, "report", lambda results: "")  # (the figures only)
+    monkeypatch.setattr(report, "_plot", lambda results, png: None)
+    res = _mi_results()
+    report.write_outputs(res, tmp_path)
+    fig, _ = saved["mi_diversity.png"]
+    rows = [fig.axes[:2], fig.axes[2:4]]  # (unique/M, coverage) x (l = 3, l = 8)
+    for row in rows:
+        assert row[0].get_ylim() == row[1].get_ylim()
+        lo, hi = row[0].get_ylim()
+        assert hi - lo >= 0.1 - 1e-9
+        for ax in row:
+            bands = _band_ys(ax)
+            assert len(bands) == 2 and all(0 <= b <= 1 for band in bands for b in band)
+    names = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "SMoCo" not in names and {"XMoCo", "CM-ACC", "random law"} <= set(names)
+    drawn = {line.get_label() for ax in fig.axes for line in ax.get_lines()
+             if np.isfinite(np.asarray(line.get_ydata(), float)).any()}
+    assert set(names) <= drawn
+    for ax in rows[0]:
+        assert any(t.get_text().startswith("saturated: C <= M = 128") for t in ax.texts)
+    assert "C/M = 0.336" in rows[0][0].texts[0].get_text()  # (47 + 42 + 40) / 3 / 128
+    assert "95% t-band" in fig._suptitle.get_text()
+    report.write_outputs(_mi_results(batch=32), tmp_path)  # 47 characters > M = 32
+    fig, _ = saved["mi_diversity.png"]
+    assert not any(t.get_text().startswith("saturated") for ax in fig.axes for t in ax.texts)
+
+
+def test_the_mi_probe_figure_has_no_legend_entry_without_a_line(tmp_path, monkeypatch):
+    """mi.png of a study without floors or pixel probes yet: no "untrained encoder" or "raw
+    pixels" entry in the legend, since nothing of them is drawn."""
+    import importlib
+
+    report = importlib.import_module("cmacc.apps.mi.report")
+    saved = _saving(monkeypatch, report)
+    res = dict(_mi_results(), n_train=100, untrained={}, untrained_seen={}, pixels={},
+               pixels_seen={})
+    report._plot(res, tmp_path / "mi.png")
+    fig, _ = saved["mi.png"]
+    names = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert names and not {"untrained encoder", "raw pixels (2x2-pooled)"} & set(names)
+
+
+def test_a_quick_mi_report_says_on_its_first_line_that_it_is_not_a_result_and_one_row_says_so():
+    """report.md of a --quick study (recorded, or a config with every --quick value) says on
+    its first line that it is not a result; the recorded study's does not. A figure from one
+    run (one row of mi.json) says "one row" rather than looking like a zero-width interval."""
+    import copy
+    import importlib
+
+    from cmacc.apps.mi.train import QUICK
+
+    report = importlib.import_module("cmacc.apps.mi.report")
+
+    res = json.loads((Path(__file__).parents[1] / "docs/results/mi_div_300/mi.json").read_text())
+    assert "not a result" not in report.report(res).splitlines()[0]
+    quick = copy.deepcopy(res)
+    quick["config"].update(QUICK)
+    assert "not a result" in report.report(quick).splitlines()[0]
+    assert "not a result" in report.report({**res, "quick": True}).splitlines()[0]
+    text = report.report(res)
+    assert text.count("(one row)") == 1  # the caption's; 2 seeds a method in every cell
+    one = copy.deepcopy(res)
+    for per_l in one["runs"].values():
+        for l in per_l:
+            per_l[l] = per_l[l][:1]
+    text = report.report(one)
+    cm = next(r["probe"] for r in one["runs"]["CM-ACC"]["3"])
+    assert f"{cm:.3f} (one row)" in text
+    assert analysis._pm((0.3, float("nan"))) == "0.300 (one row)"
+    assert analysis._pm((0.3, 0.01)) == "0.300 ± 0.010"
+
+
+def test_the_dictionary_size_figure_and_table_say_chance_changes_with_k(tmp_path, monkeypatch):
+    """dictsize.png draws the pretext task's chance 1/(K+1) at each K and says so in the
+    panel's title; report.md's table gives it per row."""
+    saved = _saving(monkeypatch, analysis)
+    monkeypatch.setattr(analysis, "pretrain", lambda run, s, steps, data, sections: dict(
+        acc_last=0.5 if s == "active" else 0.4, probe_video=0.6, probe_audio=0.5))
+    res = analysis.dictsize(tmp_path, 10, [4, 16, 64])
+    fig, _ = saved["dictsize.png"]
+    ax = fig.axes[0]
+    chance = [line for line in ax.get_lines() if "chance" in line.get_label()]
+    assert len(chance) == 1
+    assert list(chance[0].get_ydata()) == pytest.approx([1 / 5, 1 / 17, 1 / 65])
+    assert "chance" in ax.get_title() and "K" in ax.get_title()
+    text = analysis.write_report(tmp_path, {"dictsize": res}).read_text()
+    assert "chance is 1/(K+1) and changes with K" in text
+    assert "| 4 | random | 0.400 | 0.2000 |" in text
 
 
 def test_diversity_says_when_few_classes_saturate_unique_per_m(tiny_prepared, tmp_path):

@@ -249,7 +249,7 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
     cells = dict(zip(cols, (c.strip() for c in row.strip("|").split("|"))))
     for a, b in [("OHEM", "XMoCo"), ("CM-ACC", "OHEM"), ("CM-ACC-feature", "XMoCo")]:
         (ra,), (rb,) = res["runs"][a]["3"], res["runs"][b]["3"]
-        assert cells[f"{a} − {b}"] == f"{ra['probe'] - rb['probe']:+.3f}"
+        assert cells[f"{a} − {b}"] == f"{ra['probe'] - rb['probe']:+.3f} (one row)"
     assert "Departures from the paper" in report and "training pairs (paper: 50000)" in report
     assert "partial" not in report
     runs = [r for per_l in res["runs"].values() for rs in per_l.values() for r in rs]
@@ -268,11 +268,11 @@ def test_quick_end_to_end_on_generated_glyphs(tmp_path):
         (r,) = res["runs"][m]["3"]
         assert 0 < r["unique_per_m_2nd_half"] <= 1 and len(r["unique_per_m"]) == len(r["acc"])
         assert 0 < r["coverage_2nd_half"] <= 1
-        assert cells[m] == f"{r['unique_per_m_2nd_half']:.3f}"
+        assert cells[m] == f"{r['unique_per_m_2nd_half']:.3f} (one row)"
         if m != "XMoCo" and m != "SMoCo":
             (x,) = res["runs"]["XMoCo"]["3"]
             assert cells[f"{m} − XMoCo"] == \
-                f"{r['unique_per_m_2nd_half'] - x['unique_per_m_2nd_half']:+.3f}"
+                f"{r['unique_per_m_2nd_half'] - x['unique_per_m_2nd_half']:+.3f} (one row)"
     assert "### coverage, second half of training" in report
 
 

@@ -139,7 +139,8 @@ def diversity(out, steps=DIVERSITY_STEPS, data="synthetic", samplers=tuple(SAMPL
                    ceiling=law["ceiling"], saturated=law["saturated"], tau_p=cfg.selection.tau_p,
                    grad_view=cfg.selection.grad_view,
                    **({k: getattr(cfg.data, k) for k in DIVERSITY_DATA} if cfg.data.synthetic else {}))
-    png = plot_diversity(curves, out / "diversity.png", random_law)
+    png = plot_diversity(curves, out / "diversity.png", random_law, ceiling=law["ceiling"],
+                         saturated=law["saturated"])
     return {"png": str(png), "setting": setting, "table": table, "runs": summaries}
 
 
@@ -250,33 +251,69 @@ def key_diagnostics(run, n_batches=20, seed=0) -> dict:
     return out
 
 
-def plot_diversity(curves: dict, png, random_law=None, points=25) -> Path:
-    """unique/M, coverage and pretext accuracy over the steps: the logged rows in about
-    ``points`` consecutive bins; per sampler the mean over seeds of each seed's bin mean and
-    its 95% t-band; random sampling's law as a dashed line."""
+# what each figure of plot_diversity can be: (lowest, highest); unique/M's highest is the
+# data's ceiling min(C, M) / M where it is known
+DIVERSITY_RANGE = {"unique_per_m": (0.0, 1.0), "coverage": (0.0, 1.0), "acc": (0.0, 1.0)}
+
+
+def diversity_bands(runs: list[list[dict]], key: str, points=25,
+                    limits=(-float("inf"), float("inf"))) -> dict:
+    """What plot_diversity draws of one sampler and figure: the logged rows in about ``points``
+    consecutive bins; ``steps`` (each bin's last step), ``mean`` over seeds of each seed's bin
+    mean, and the 95% t-band ``low``/``high`` around it clipped to ``limits`` (the figure's
+    range: 2 seeds' t = 12.7 reaches far past it); no band (``low`` = ``high`` = None) from
+    one seed."""
     import math
 
+    n = min(len(r) for r in runs)
+    width = max(1, n // points)
+    bins = [range(b, min(n, b + width)) for b in range(0, n, width)]
+    steps = [int(runs[0][b[-1]]["step"]) for b in bins]
+    stats = [mean_ci([sum(float(r[i][key]) for i in b) / len(b) for r in runs]) for b in bins]
+    mean = [a for a, _ in stats]
+    if len(runs) < 2:
+        return dict(steps=steps, mean=mean, low=None, high=None, n=len(runs))
+    lo, hi = limits
+    low = [min(max(a - h, lo), hi) if not math.isnan(h) else a for a, h in stats]
+    high = [max(min(a + h, hi), lo) if not math.isnan(h) else a for a, h in stats]
+    return dict(steps=steps, mean=mean, low=low, high=high, n=len(runs))
+
+
+def plot_diversity(curves: dict, png, random_law=None, points=25, ceiling=None,
+                   saturated=None) -> Path:
+    """unique/M, coverage and pretext accuracy over the steps (``diversity_bands``): per
+    sampler the mean over seeds and its 95% t-band, clipped to what the figure can be (unique/M
+    to the data's ``ceiling`` min(C, M)/M where given), the number of seeds in the legend;
+    random sampling's law as a dashed line, the ceiling as a dotted one, and ``saturated`` (C
+    <= M: every sampler at the ceiling) written on the unique/M and coverage panels."""
     plt = _plt()
     keys = {"unique_per_m": "unique/M (paper Fig. 3)", "coverage": "coverage = U / min(M, C)",
             "acc": "pretext accuracy"}
+    limits = dict(DIVERSITY_RANGE)
+    if ceiling is not None:
+        limits["unique_per_m"] = (0.0, ceiling)
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.3))
     for ax, (key, title) in zip(axes, keys.items()):
         for s, runs in curves.items():
-            n = min(len(r) for r in runs)
-            width = max(1, n // points)
-            bins = [range(b, min(n, b + width)) for b in range(0, n, width)]
-            steps = [int(runs[0][b[-1]]["step"]) for b in bins]
-            stats = [mean_ci([sum(float(r[i][key]) for i in b) / len(b) for r in runs])
-                     for b in bins]
-            mean = [a for a, _ in stats]
-            half = [0.0 if math.isnan(h) else h for _, h in stats]
-            line, = ax.plot(steps, mean, label=SAMPLER_LABELS[s], lw=1.4)
-            ax.fill_between(steps, [a - h for a, h in zip(mean, half)],
-                            [a + h for a, h in zip(mean, half)], color=line.get_color(), alpha=0.18)
+            b = diversity_bands(runs, key, points, limits[key])
+            seeds = f"{b['n']} seed{'s' if b['n'] > 1 else ''}"
+            band = ", mean ± 95% t-band" if b["low"] is not None else ", no band"
+            line, = ax.plot(b["steps"], b["mean"], lw=1.4,
+                            label=f"{SAMPLER_LABELS[s]} (n = {seeds}{band})")
+            if b["low"] is not None:
+                ax.fill_between(b["steps"], b["low"], b["high"], color=line.get_color(),
+                                alpha=0.18)
         if key == "unique_per_m" and random_law is not None:
             ax.axhline(random_law, color="k", ls="--", lw=1, label="random, expected (law)")
+        if key == "unique_per_m" and ceiling is not None:
+            ax.axhline(ceiling, color="k", ls=":", lw=1,
+                       label=f"ceiling min(C, M)/M = {ceiling:.3f}")
+        if saturated and key in ("unique_per_m", "coverage"):  # in the title: no legend on it
+            bound = f" = {ceiling:.3f}" if ceiling is not None else ""
+            title += (f"\nsaturated: C <= M, so unique/M <= C/M{bound} for every\nsampler: "
+                      "they cannot be told apart here")
         ax.set_xlabel("step")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(title, fontsize=10 if "\n" not in title else 8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -299,19 +336,38 @@ def dictsize(out, steps, sizes, data="synthetic") -> dict:
         rows.append(dict(K=sections["model"]["dict_size"], sampler=s, acc=summ["acc_last"],
                          probe_video=summ.get("probe_video", float("nan")),
                          probe_audio=summ.get("probe_audio", float("nan"))))
+    png = plot_dictsize(rows, out / "dictsize.png")
+    return {"png": str(png), "rows": rows}
+
+
+def dictsize_chance(k: int) -> float:
+    """The pretext task's chance at dictionary size K: the positive key against K negatives,
+    1 / (K + 1); it falls as K grows, so pretext accuracies at different K are not on one scale."""
+    return 1.0 / (k + 1)
+
+
+def plot_dictsize(rows: list[dict], png) -> Path:
+    """Pretext accuracy and the video probe against K, per sampler; the pretext panel draws
+    its chance 1 / (K + 1) at each K and says in its title that chance changes with K."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    sizes = sorted({r["K"] for r in rows})
     for ax, key in zip(axes, ("acc", "probe_video")):
         for s in ("random", "active"):
             pts = [(r["K"], r[key]) for r in rows if r["sampler"] == s]
-            ax.plot(*zip(*pts), marker="o", label=SAMPLER_LABELS[s])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=SAMPLER_LABELS[s])
+        if key == "acc":
+            ax.plot(sizes, [dictsize_chance(k) for k in sizes], color="grey", ls="--",
+                    marker=".", label="chance = 1/(K+1)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("dictionary size K")
-        ax.set_title({"acc": "pretext accuracy (last)", "probe_video": "video linear probe"}[key])
+        ax.set_title({"acc": "pretext accuracy (last); chance 1/(K+1) changes with K",
+                      "probe_video": "video linear probe"}[key], fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
-    return {"png": str(save_figure(fig, out / "dictsize.png")), "rows": rows}
+    return save_figure(fig, png)
 
 
 # -- (b) gradient-norm gallery -------------------------------------------------------------------
@@ -411,7 +467,13 @@ def synthetic_run(run):
 
 
 def _pm(stat) -> str:
-    return format_interval(*stat)  # (the mean alone with one seed)
+    """mean ± 95% t-interval over seeds; from one seed (no interval) the mean says it is one
+    row, not an interval of zero width."""
+    import math
+
+    mean, half = stat
+    one = math.isnan(half) and not math.isnan(mean)
+    return format_interval(mean, half) + (" (one row)" if one else "")
 
 
 def diversity_report(res: dict) -> list[str]:
@@ -484,9 +546,14 @@ def write_report(out, results: dict) -> Path:
         lines += diversity_report(results["diversity"])
     if "dictsize" in results:
         lines += ["## Dictionary size K, random vs active", "", "![dictsize](dictsize.png)", "",
-                  "| K | sampler | pretext acc | probe video | probe audio |", "|---|---|---|---|---|"]
-        lines += [f"| {r['K']} | {r['sampler']} | {r['acc']:.3f} | {r['probe_video']:.3f} | "
-                  f"{r['probe_audio']:.3f} |" for r in results["dictsize"]["rows"]]
+                  "Pretext accuracy: the positive key against the K dictionary keys, so its "
+                  "chance is 1/(K+1) and changes with K (the figure's grey line; the table's "
+                  "chance column): compare samplers at one K, not accuracies across K.", "",
+                  "| K | sampler | pretext acc | chance 1/(K+1) | probe video | probe audio |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['K']} | {r['sampler']} | {r['acc']:.3f} | {dictsize_chance(r['K']):.4f} | "
+                  f"{r['probe_video']:.3f} | {r['probe_audio']:.3f} |"
+                  for r in results["dictsize"]["rows"]]
         lines.append("")
     if "gallery" in results:
         lines += ["## Gradient-norm gallery (hard vs easy negatives)", "", "![gallery](gallery.png)", ""]

@@ -123,7 +123,7 @@ def main(argv=None):
         n_test=args.test_pairs, n_probe=args.probe_pairs, seeds=tuple(args.seeds),
         methods=tuple(args.methods), relation=args.relation, sampler_chars=args.sampler_chars,
         samplers=tuple(m for m in args.samplers if m not in args.methods),
-        char_dist=args.char_dist)
+        char_dist=args.char_dist, quick=args.quick)
     _say_outputs(Path(args.out))
     return 0
 

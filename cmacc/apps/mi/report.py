@@ -10,7 +10,7 @@ from cmacc.metrics import format_ci, mean_ci
 from cmacc.runlog import point_marks, save_figure
 from data_dali.fileio import atomic_write_text
 
-from .train import ALL_METHODS, DIVERSITY, METHODS
+from .train import ALL_METHODS, DIVERSITY, METHODS, QUICK
 
 
 def _floor_key(floor: str, test: str) -> str:
@@ -46,6 +46,13 @@ def _cell(values) -> str:
     return "—" if not values else _pm(values)
 
 
+def is_quick(results: dict) -> bool:
+    """Whether a study ran with --quick (recorded so: ``quick``) or with every value --quick
+    sets (an mi.json from before that was recorded, or the values given one by one)."""
+    cfg = results.get("config", {})
+    return bool(results.get("quick")) or all(cfg.get(k) == v for k, v in QUICK.items())
+
+
 def report(results: dict, methods=None) -> str:
     methods = list(methods or results.get("methods", METHODS))
     samplers = results.get("samplers", [])
@@ -54,13 +61,16 @@ def report(results: dict, methods=None) -> str:
     status = "" if results.get("complete") else f" — **partial: {done} runs in, the study did " \
                                                  "not finish**"
     mach = results.get("machine", {})
-    lines = [f"# MI study: seeds {seeds}, relation '{results['relation']}', "
+    quick = ("--quick (a minutes-long test setting: tiny networks, few steps): not a result. "
+             if is_quick(results) else "")
+    lines = [f"# {quick}MI study: seeds {seeds}, relation '{results['relation']}', "
              f"{results['n_train']} training pairs, {results['seconds']:.0f} s of compute"
              f"{status}", "",
              f"Machine: {mach.get('cpu', '?')}, {mach.get('torch_threads', '?')} torch "
              f"threads, torch {mach.get('torch', '?')}.", "",
              "Linear-probe accuracy of x's characters (mean over positions), mean ± 95% "
-             "t-interval over seeds (no interval from one seed; — = not run); steps = mean "
+             "t-interval over seeds (one seed: its value, marked '(one row)', no interval; "
+             "— = not run); steps = mean "
              "steps trained; pixels = the probe on x's 2x2-pooled pixels (no encoder). Two test "
              "sets of new pairs: drawn by held-out drawers (unseen handwriting: the protocol), "
              "and drawn from the training drawers' own drawings (seen images)."]
@@ -117,8 +127,13 @@ def _paired_lines(results, chars, pairs, heading="Differences, paired by seed") 
     return lines
 
 
+ONE_ROW = " (one row)"
+
+
 def _signed(values) -> str:
-    return format_ci(values, signed=True) if values else "—"
+    if not values:
+        return "—"
+    return format_ci(values, signed=True) + (ONE_ROW if len(values) == 1 else "")
 
 
 def _sampler_lines(results, methods, samplers) -> list[str]:
@@ -243,7 +258,9 @@ def _time_lines(results, chars, methods) -> list[str]:
 
 
 def _pm(values) -> str:
-    return format_ci(values)
+    """mean ± 95% t-interval over the values (seeds); one value says it is one row, not an
+    interval of zero width."""
+    return format_ci(values) + (ONE_ROW if len(values) == 1 else "")
 
 
 def _pyplot():
@@ -276,30 +293,93 @@ def _plot(results, png, methods=None):
                             yerr=[0 if math.isnan(p[1][1]) else p[1][1] for p in pts],
                             marker="o", capsize=3, label=m, color=_color(m))
         fl = [(l, mean_ci(list(results[floor][str(l)].values()))[0]) for l in ls
-              if results[floor].get(str(l))]
-        ax.plot([p[0] for p in fl], [p[1] for p in fl], color="grey", ls="--", marker=".",
-                label="untrained encoder")
+              if results.get(floor, {}).get(str(l))]
+        if fl:
+            ax.plot([p[0] for p in fl], [p[1] for p in fl], color="grey", ls="--", marker=".",
+                    label="untrained encoder")
         pix = _floor_key("pixels", test)
-        px = [(l, results[pix][str(l)]) for l in ls if str(l) in results[pix]]
-        ax.plot([p[0] for p in px], [p[1] for p in px], color="black", ls=":", marker="x",
-                label="raw pixels (2x2-pooled)")
+        px = [(l, results[pix][str(l)]) for l in ls if str(l) in results.get(pix, {})]
+        if px:
+            ax.plot([p[0] for p in px], [p[1] for p in px], color="black", ls=":", marker="x",
+                    label="raw pixels (2x2-pooled)")
         ax.set_xlabel("number of characters l (MI = sum log l_i grows)")
         ax.set_title(f"test pairs: {title.lower()}; {n_seeds} seed(s) run, "
                      f"{results['n_train']} pairs", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("linear-probe character accuracy (mean ± 95% CI)")
-    axes[0].legend(fontsize=8)
+    handles = drawn_handles(axes)
+    if handles:
+        axes[0].legend(list(handles.values()), list(handles), fontsize=8)
     fig.tight_layout()
     save_figure(fig, png)
+
+
+def drawn_handles(axes) -> dict:
+    """label → artist of every labelled line or error bar of ``axes`` that draws at least one
+    finite point, first occurrence kept: a legend of these has no entry without a line."""
+    import numpy as np
+
+    out = {}
+    for ax in np.ravel(axes):
+        # an error bar's label is its container's; its data line is the container's first
+        drawn = [(c.get_label(), c, c.lines[0]) for c in ax.containers if c.lines[0] is not None]
+        drawn += [(line.get_label(), line, line) for line in ax.get_lines()]
+        for label, handle, line in drawn:
+            if not label or label.startswith("_") or label in out:
+                continue
+            y = np.asarray(line.get_ydata(), dtype=float)
+            if y.size and np.isfinite(y).any():
+                out[label] = handle
+    return out
+
+
+# what each row of the figures can be (lowest, highest), for the bands' clipping and the axes
+ROW_RANGE = {"loss": (0.0, float("inf")), "acc": (0.0, 1.0), "unique_per_m": (0.0, 1.0),
+             "coverage": (0.0, 1.0)}
+# the least span of a row's shared y axis on a bounded figure: a mean that moves by 0.005
+# over training is not drawn as a climb across the panel
+MIN_SPAN = 0.1
+
+
+def saturation(results, l) -> str | None:
+    """At l, the panel note when unique/M is saturated: every position's alphabet has at most
+    M characters (C <= M), so no sampler passes the ceiling min(M, l_i)/M and all sit at it;
+    None where one position has more, or the sizes are not known."""
+    sizes = results.get("alphabet_sizes", [])[:int(l)]
+    m = results.get("config", {}).get("batch")
+    if not m or len(sizes) < int(l) or max(sizes) > m:
+        return None
+    ceil = sum(min(m, c) / m for c in sizes) / len(sizes)  # the mean over positions of C/M
+    return (f"saturated: C <= M = {m} at every position,\nso unique/M <= C/M = {ceil:.3f} for "
+            "every sampler")
+
+
+def curve_bands(runs, key, rng=(-float("inf"), float("inf"))) -> dict:
+    """What _plot_curves draws of one method at one l: per window, the mean over the runs
+    (seeds) and the 95% t-band clipped to ``rng`` (None from one run: no band), over the
+    windows every run reached."""
+    n = min(len(r[key]) for r in runs)
+    stats = [mean_ci([r[key][i] for r in runs]) for i in range(n)]
+    mean = [a for a, _ in stats]
+    if len(runs) < 2:
+        return dict(mean=mean, low=None, high=None)
+    lo, hi = rng
+    return dict(mean=mean, low=[min(max(a - h, lo), hi) for a, h in stats],
+                high=[max(min(a + h, hi), lo) for a, h in stats])
 
 
 def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
                                      ("acc", "pretext accuracy (window mean)")), law=None,
                  title="training curves"):
     """Per-window figures of training (default: the loss, what the plateau rule reads, and the
-    pretext accuracy), one column per l, mean over seeds per method: where each run stopped,
-    and whether it had flattened. ``law``: {l: {row key: value}}, drawn as a dashed line
-    (random sampling's diversity). Nothing is drawn where no run recorded the rows."""
+    pretext accuracy), one column per l, mean over seeds per method with its 95% t-band
+    (clipped to what the figure can be), on one y axis per row (at least ``MIN_SPAN`` tall for
+    a bounded figure): where each run stopped, and whether it had flattened. ``law``: {l: {row
+    key: value}}, drawn as a dashed line (random sampling's diversity), and unique/M's ceiling
+    as a dotted one, with a note on the panel where it is saturated (``saturation``). The
+    legend names only what is drawn. Nothing is drawn where no run recorded the rows."""
+    import math
+
     plt = _pyplot()
     methods = [m for m in (*results.get("methods", METHODS), *results.get("samplers", ()))
                if m in results["runs"]]
@@ -309,31 +389,50 @@ def _plot_curves(results, png, rows=(("loss", "loss (window mean, nats)"),
     if not ls:
         return
     window = results["config"]["window"]
-    fig, axes = plt.subplots(len(rows), len(ls), figsize=(3.2 * len(ls), 2.8 * len(rows)),
-                             squeeze=False, sharex="col")
+    width = 3.2 * len(ls) + 1.6  # the legend's column on the right
+    fig, axes = plt.subplots(len(rows), len(ls), figsize=(width, 2.8 * len(rows)),
+                             squeeze=False, sharex="col", sharey="row")
     for col, l in enumerate(ls):
         for row, (key, _) in enumerate(rows):
             ax = axes[row][col]
+            rng = ROW_RANGE.get(key, (-math.inf, math.inf))
             for m in methods:
                 runs = [r for r in _runs(results, m, l) if r.get(key)]
                 if not runs:
                     continue
-                n = min(len(r[key]) for r in runs)
-                mean = [statistics.fmean(r[key][i] for r in runs) for i in range(n)]
-                ax.plot([window * (i + 1) for i in range(n)], mean, label=m, color=_color(m),
-                        **point_marks(mean))
-            if law and str(l) in law:
+                b = curve_bands(runs, key, rng)
+                x = [window * (i + 1) for i in range(len(b["mean"]))]
+                ax.plot(x, b["mean"], label=m, color=_color(m), **point_marks(b["mean"]))
+                if b["low"] is not None:
+                    ax.fill_between(x, b["low"], b["high"], color=_color(m), alpha=0.18,
+                                    lw=0)
+            if law and str(l) in law and key in law[str(l)]:
                 ax.axhline(law[str(l)][key], color="grey", ls="--", lw=1, label="random law")
+            if key == "unique_per_m" and law and "unique_per_m_ceiling" in law.get(str(l), {}):
+                ax.axhline(law[str(l)]["unique_per_m_ceiling"], color="black", ls=":", lw=1,
+                           label="ceiling min(M, l_i)/M")
+            if key == "unique_per_m" and (note := saturation(results, l)):
+                ax.text(0.03, 0.04, note, transform=ax.transAxes, fontsize=6,
+                        color="firebrick", va="bottom")
             ax.grid(alpha=0.3)
             if row == 0:
                 ax.set_title(f"l = {l}", fontsize=9)
             if row == len(rows) - 1:
                 ax.set_xlabel("step")
-    for row, (_, label) in enumerate(rows):
+    for row, (key, label) in enumerate(rows):
         axes[row][0].set_ylabel(label)
-    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines()}
-    fig.legend(list(handles.values()), list(handles), loc="upper right", fontsize=7)
+        lo, hi = axes[row][0].get_ylim()  # shared by the row's panels
+        bound = ROW_RANGE.get(key, (-math.inf, math.inf))
+        if math.isfinite(bound[1]) and hi - lo < MIN_SPAN:
+            mid = (lo + hi) / 2
+            lo, hi = mid - MIN_SPAN / 2, mid + MIN_SPAN / 2
+            shift = max(0.0, bound[0] - lo) - max(0.0, hi - bound[1])
+            axes[row][0].set_ylim(lo + shift, hi + shift)
+    handles = drawn_handles(axes)
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="center right", fontsize=7)
     n_seeds = _seeds_run(results, methods, ls)
-    fig.suptitle(f"{title}, mean over the {n_seeds} seed(s) run", fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    fig.suptitle(f"{title},\nmean ± 95% t-band over the {n_seeds} seed(s) run (no band "
+                 "from one)", fontsize=8, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1 - 1.6 / width, 0.93))
     save_figure(fig, png)

@@ -198,7 +198,8 @@ def diversity_law(pairs: MultiOmniglotPairs, m: int) -> dict[str, float]:
 def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
         n_train=PAPER_TRAIN_PAIRS, n_test=2000, n_probe=10_000, seeds=(0, 1, 2),
         methods=tuple(METHODS), relation="next", sampler_chars=None,
-        samplers=tuple(SAMPLERS), log=None, verbose=False, char_dist="uniform") -> dict:
+        samplers=tuple(SAMPLERS), log=None, verbose=False, char_dist="uniform",
+        quick=False) -> dict:
     """Train and probe every run of ``plan``; ``mi.json`` in ``out`` is rewritten after each
     one, and runs already there (same settings) are kept, not trained again."""
     cfg = cfg or MIConfig()
@@ -213,6 +214,7 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     results.update({"chars": list(chars), "seeds": list(seeds), "methods": list(methods),
                     "samplers": list(samplers), "sampler_chars": sampler_chars,
                     "complete": False,  # True once every run of the plan is in
+                    "quick": bool(quick),  # --quick: a test setting, not a result
                     "machine": machine(),
                     "departures": departures(glyphs, chars, n_train, cfg, relation, seeds,
                                              char_dist)})
