@@ -74,12 +74,15 @@ def backend_for(device: str, asked: str = "auto") -> str:
 
 
 def rank_device(local_rank: int, gpus: int, backend: str) -> int:
-    """The GPU of a rank: its LOCAL_RANK; with more ranks on a node than GPUs, NCCL refuses (one
-    GPU a rank), gloo shares them round robin (``local_rank % gpus``)."""
+    """The GPU of a rank: its LOCAL_RANK; one visible GPU: that one (a scheduler's one GPU a task,
+    or ranks sharing it with gloo); with more ranks on a node than its several GPUs, NCCL refuses
+    (one GPU a rank), gloo shares them round robin (``local_rank % gpus``)."""
     if gpus < 1:
         raise ValueError("no CUDA device is visible to this rank (CUDA_VISIBLE_DEVICES?)")
     if local_rank < gpus:
         return local_rank
+    if gpus == 1:  # a scheduler that binds one GPU a task (SLURM): each rank sees its own as 0
+        return 0  # (ranks that truly share one GPU get NCCL's own error)
     if backend == "nccl":
         raise ValueError(f"LOCAL_RANK {local_rank} but {gpus} GPU(s) visible on this node: NCCL "
                          f"needs a GPU a rank; start at most {gpus} per node (torchrun "

@@ -98,7 +98,10 @@ class Prefetcher:
     def __init__(self, loader, device, *, depth: int = 2, channels_last: bool = False):
         if depth < 1:
             raise ValueError(f"Prefetcher: depth must be >= 1, got {depth}")
-        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # (the thread starts on device 0:
+            device = torch.device("cuda", torch.cuda.current_device())  # resolve it here)
+        self.loader, self.device, self.depth = loader, device, depth
         self.channels_last = channels_last
         self.cuda = self.device.type == "cuda"
         self.ring = PinnedRing(depth + 1, pin=self.cuda)

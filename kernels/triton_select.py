@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import os
-import warnings
 
 import torch
 
@@ -170,15 +169,17 @@ class SelectPlan:
     def _capture(self):
         torch.cuda.synchronize(self.device)  # once per plan, at capture time only
         graph = torch.cuda.CUDAGraph()
+        # captured on a high-priority stream: a replay runs each node at the priority it was
+        # captured with, so the selection's kernels go before the key encoders' queued ones
+        stream = torch.cuda.Stream(device=self.device, priority=-1)
         try:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 self._launch()
-        except RuntimeError as e:  # an op this torch cannot capture: the same launches, eagerly
-            torch.cuda.synchronize(self.device)
-            warnings.warn(f"select: the plan's CUDA graph capture failed ({str(e)[:200]}); its "
-                          "launches run eagerly (the same picks, more launches a selection)",
-                          RuntimeWarning, stacklevel=2)
-            return
+        except RuntimeError as e:  # a capture that failed leaves the allocator mid-capture:
+            raise RuntimeError(  # not safe to go on in this process
+                f"select: the selection plan's CUDA graph capture failed ({str(e)[:300]}); run "
+                "with CMACC_GRAPH=0 (the same launches, eagerly, the same picks) and report "
+                "this torch version") from e
         self.graph, self.captures = graph, self.captures + 1
 
     def _set_inputs(self, n: int, queries, feats, seed: int) -> None:

@@ -231,9 +231,10 @@ def test_the_backend_and_each_ranks_gpu_follow_the_flag():
     assert [du.rank_device(r, 8, "nccl") for r in range(8)] == list(range(8))
     assert [du.rank_device(r, 1, "gloo") for r in range(3)] == [0, 0, 0]
     assert [du.rank_device(r, 2, "gloo") for r in range(4)] == [0, 1, 0, 1]
-    with pytest.raises(ValueError, match=r"LOCAL_RANK 1 but 1 GPU\(s\).*--nproc_per_node 1.*"
+    assert du.rank_device(1, 1, "nccl") == 0  # SLURM's one GPU a task: each sees its own as 0
+    with pytest.raises(ValueError, match=r"LOCAL_RANK 2 but 2 GPU\(s\).*--nproc_per_node 2.*"
                                          r"--dist-backend gloo"):
-        du.rank_device(1, 1, "nccl")
+        du.rank_device(2, 2, "nccl")
     with pytest.raises(ValueError, match="no CUDA device"):
         du.rank_device(0, 0, "gloo")
     import train

@@ -165,3 +165,12 @@ def test_the_in_memory_clips_move_to_the_gpu_only_when_they_fit(monkeypatch):
     assert "stay in host memory" in keep_clips_on_device(loader, "cuda:0") and len(moved) == 1
     assert keep_clips_on_device(loader, "cpu") == "" and keep_clips_on_device(_toy(2), "cuda") == ""
     assert len(moved) == 1
+
+
+def test_a_cuda_device_without_an_index_is_the_callers_current_one(monkeypatch):
+    """The thread starts on device 0, so "cuda" is resolved where the Prefetcher is made, to the
+    caller's current device (a rank's), never left for the thread to read."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert Prefetcher(_toy(), "cuda").device == torch.device("cuda", 3)
+    assert Prefetcher(_toy(), torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    assert Prefetcher(_toy(), "cpu").device == torch.device("cpu")
