@@ -854,3 +854,49 @@ def test_selection_spread_against_float64(d_h, tau_p):
         assert got[f"d2_cv{suffix}"] == pytest.approx(float(w.std(unbiased=False) / w.mean()),
                                                       rel=1e-3)
         assert got[f"d2_max_mean{suffix}"] == pytest.approx(float(w.max() / w.mean()), rel=1e-3)
+
+
+def test_each_run_records_its_utc_start_and_end_and_the_report_prints_them(tmp_path, capsys):
+    """Issue 50, item 5: every run of a study records when it started and ended (UTC, ISO 8601,
+    to the second) beside its figures, inside the study's own span and one after another; the
+    report lists them run by run with the first end, and prints "not recorded" for a run of an
+    older mi.json (no such keys); compare prints them for the paired seeds."""
+    from datetime import datetime, timezone
+
+    from cmacc.apps.mi import compare
+
+    def parse(s):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", s), s
+        return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+    out = tmp_path / "mi"
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1",
+                    "--seeds", "0", "1", "--methods", "XMoCo", "--out", str(out)]) == 0
+    after = datetime.now(timezone.utc)
+    res = json.loads((out / "mi.json").read_text())
+    runs = res["runs"]["XMoCo"]["1"]
+    assert [r["seed"] for r in runs] == [0, 1]
+    spans = [(parse(r["started_utc"]), parse(r["ended_utc"])) for r in runs]
+    for start, end in spans:
+        assert before <= start <= end <= after
+    assert spans[0][1] <= spans[1][0]  # seed 1 starts after seed 0 ended
+    report = (out / "report.md").read_text()
+    section = report.split("## When each run ran")[1].split("\n## ")[0]
+    for r in runs:
+        assert f"| XMoCo | 1 | {r['seed']} | {r['started_utc']} | {r['ended_utc']} |" in section
+    assert f"The first of these runs to finish ended at {runs[0]['ended_utc']}." in section
+    # an older record: seed 0 without the times (as every run before this record)
+    old = json.loads(json.dumps(res))
+    del old["runs"]["XMoCo"]["1"][0]["started_utc"], old["runs"]["XMoCo"]["1"][0]["ended_utc"]
+    (out / "mi.json").write_text(json.dumps(old))
+    assert mi.main(["--report-only", "--out", str(out)]) == 0
+    section = (out / "report.md").read_text().split("## When each run ran")[1].split("\n## ")[0]
+    assert "| XMoCo | 1 | 0 | not recorded | not recorded |" in section
+    assert (f"ended at {runs[1]['ended_utc']}; 1 of 2 runs did not record it." in section)
+    capsys.readouterr()
+    assert compare.main([f"{out}:XMoCo", f"{out}:XMoCo"]) == 0
+    said = capsys.readouterr().out
+    assert f"first end: {runs[1]['ended_utc']}" in said
+    assert (f"seed 0 not recorded; seed 1 {runs[1]['started_utc']} – {runs[1]['ended_utc']}"
+            in said)

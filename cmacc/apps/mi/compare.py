@@ -12,8 +12,8 @@ seed. Printed, per l both ran: steps, wall and CPU seconds of training per run, 
 both test sets, the enqueued negatives' diversity and their keys' freshness (second half of
 training), each side's
 mean ± 95% t-interval over the seeds both ran, and the first minus the second per seed with
-its interval;
-then the settings in which the two studies differ.
+its interval; then when each paired run started and ended (UTC, as mi.json records it; "not
+recorded" for older studies) and the settings in which the two studies differ.
 """
 
 from __future__ import annotations
@@ -94,7 +94,27 @@ def compare(a: dict, ma: str, b: dict, mb: str, l: int) -> dict:
     for key, _ in FIGURES:
         d = [ra[s][key] - rb[s][key] for s in out["seeds"] if key in ra[s] and key in rb[s]]
         out["diff"][key] = {"per_seed": d, **dict(zip(("mean", "half"), mean_ci(d)))} if d else None
+    # when each paired run ran (UTC, ISO 8601; None where its mi.json predates the record)
+    out["when"] = {side: {s: (runs[s].get("started_utc"), runs[s].get("ended_utc"))
+                          for s in seeds} for side, runs in (("a", ra), ("b", rb))}
     return out
+
+
+def when_lines(cmp: list[dict], name_a: str, name_b: str) -> list[str]:
+    """Per l and side, each paired seed's UTC start – end as recorded ("not recorded" for runs
+    of older studies), and the first end among them."""
+    lines, ends = [], []
+    for c in cmp:
+        for side, name in (("a", name_a), ("b", name_b)):
+            spans = []
+            for seed, (start, end) in c["when"][side].items():
+                spans.append(f"seed {seed} " + ("not recorded" if not (start or end) else
+                                                f"{start or 'not recorded'} – "
+                                                f"{end or 'not recorded'}"))
+                ends += [end] if end else []
+            lines.append(f"l = {c['l']}, {name}: " + "; ".join(spans))
+    first = f"first end: {min(ends)}" if ends else "no run recorded when it ran"
+    return ["when the runs ran (UTC, ISO 8601; " + first + "):", *lines]
 
 
 def config_differences(a: dict, b: dict) -> list[str]:
@@ -177,6 +197,8 @@ def main(argv=None):
           f"({', '.join(str(s) for s in cmp[0]['seeds'])}); mean ± 95% t-interval over seeds\n")
     print("\n".join(table(cmp, f"{ma} ({Path(na).name})", f"{mb} ({Path(nb).name})",
                            args.margin)))
+    print("\n" + "\n".join(when_lines(cmp, f"{ma} ({Path(na).name})",
+                                        f"{mb} ({Path(nb).name})")))
     diffs = config_differences(a, b)
     print("\nsettings that differ: " + ("; ".join(diffs) if diffs else "none"))
     return 0

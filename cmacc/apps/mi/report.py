@@ -94,6 +94,7 @@ def report(results: dict, methods=None) -> str:
     lines += _sampler_lines(results, methods, samplers)
     lines += _diversity_lines(results, chars, [*methods, *samplers])
     lines += _time_lines(results, chars, [*methods, *samplers])
+    lines += _when_lines(results, chars, [*methods, *samplers])
     lines += ["", "Alphabets: " + ", ".join(f"{n} ({s})" for n, s in
                                             zip(results["alphabets"], results["alphabet_sizes"])),
               "", "## Departures from the paper's protocol", ""]
@@ -254,6 +255,33 @@ def _time_lines(results, chars, methods) -> list[str]:
     lines += ["", f"Whole study: {results['seconds'] / 60:.1f} min of compute (floors, probes "
               "and any runs set aside included, summed over resumed invocations); the "
               f"{len(runs)} runs in the tables: {in_tables / 60:.1f} min of training and probing."]
+    return lines
+
+
+NOT_RECORDED = "not recorded"
+
+
+def _when_lines(results, chars, methods) -> list[str]:
+    """When each run ran: its UTC start and end (ISO 8601) as mi.json records them, "not
+    recorded" for runs of older studies, which lack them; and the first end among the runs
+    that recorded one (what "declared before any of these runs finished" is checked against)."""
+    rows = [(m, l, r) for m in dict.fromkeys(methods) for l in chars for r in _runs(results, m, l)]
+    if not rows:
+        return []
+    lines = ["", "## When each run ran", "",
+             "UTC, ISO 8601, as recorded when the run finished (its training and its probe); "
+             f"'{NOT_RECORDED}': a run from before mi.json recorded it.", "",
+             "| method | l | seed | started (UTC) | ended (UTC) |", "|---|---|---|---|---|"]
+    for m, l, r in sorted(rows, key=lambda x: (x[2].get("started_utc") or "", x[0], x[1],
+                                               x[2]["seed"])):
+        lines.append(f"| {m} | {l} | {r['seed']} | {r.get('started_utc') or NOT_RECORDED} | "
+                     f"{r.get('ended_utc') or NOT_RECORDED} |")
+    ends = [r["ended_utc"] for _, _, r in rows if r.get("ended_utc")]
+    missing = len(rows) - len(ends)
+    if not ends:
+        return lines + ["", f"None of these {len(rows)} runs recorded when it ran."]
+    lines += ["", f"The first of these runs to finish ended at {min(ends)}"
+              + (f"; {missing} of {len(rows)} runs did not record it." if missing else ".")]
     return lines
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -280,10 +281,14 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                     str(seed)] = v
             log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
                 f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
+        started = utc_now()  # the run's own span: its training and its probe
         model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
         t0 = time.perf_counter()
         acc = probe_accuracy(model, tr, tests, n_probe, tail)
         hist["probe_seconds"] = time.perf_counter() - t0
+        # when it ran, so that "declared before any of these runs finished" can be checked
+        # against the record (runs of older mi.json files lack these: "not recorded")
+        hist["started_utc"], hist["ended_utc"] = started, utc_now()
         if selects(m):
             hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
             hist["tau_p"] = cfg.tau_p
@@ -302,6 +307,11 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
     save()
     write_outputs(results, out)
     return results
+
+
+def utc_now() -> str:
+    """The time now in UTC, ISO 8601 to the second: ``2026-11-27T21:57:03Z``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def machine() -> dict:
