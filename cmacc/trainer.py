@@ -265,7 +265,15 @@ class Trainer(RunFolder):
                                 "than GPUs: a test of the distributed paths, not a fast run)",
                                 local, index)
                 torch.cuda.set_device(index)
-            du.init_process_group(backend, run.dist_timeout)
+            try:
+                du.init_process_group(backend, run.dist_timeout)
+            except dist.DistError as e:  # the store or a peer never answered in time
+                raise UsageError(
+                    f"the {os.environ.get('WORLD_SIZE')} ranks did not form a group within "
+                    f"--dist-timeout {run.dist_timeout:g} s (rank {os.environ.get('RANK')}: "
+                    f"{str(e).splitlines()[0][:200]}); a node never started its worker or hangs "
+                    "before joining; --out is unchanged: run the same command again once every "
+                    "node is up") from None
             created = True
             warning = du.shared_store_warning()
             if warning and du.rank() == 0:
@@ -322,8 +330,9 @@ class Trainer(RunFolder):
                                   seed=cfg.model.seed, rank=self.rank, world=self.world,
                                   views=views, device=self.device, out=self.out,
                                   stop_past_limit=False)  # agreed: StepGuard
-        except (FileNotFoundError, ValueError) as e:
-            raise UsageError(f"--data {cfg.data.source}: {e}") from None
+        except (FileNotFoundError, ValueError) as e:  # (a manifest's words start with its path)
+            said = str(e) if str(e).startswith(cfg.data.source) else f"{cfg.data.source}: {e}"
+            raise UsageError(f"--data {said}") from None
         where = keep_clips_on_device(loader, self.device)
         log.info("loader: %s%s", loader_line(loader), where)
         # the loader runs ahead in a thread; batches come on the device (cmacc/prefetch.py)
@@ -579,6 +588,7 @@ class Trainer(RunFolder):
             gnorm=m["gnorm"], active=float(stats.get("active", 0.0)), fallback=m["fallback"],
             t_data=secs.get("data", 0.0) / n, t_step=secs.get("step", 0.0) / n,
             t_select=secs.get("select", 0.0) / n,
+            t_refresh=secs.get("refresh", 0.0) / n,  # (model.refresh_pools, within t_step)
             # the step's wait for the selection, at most all of it (docs/ARCHITECTURE.md)
             t_select_visible=min(secs.get("select_visible", 0.0), secs.get("select", 0.0)) / n,
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
