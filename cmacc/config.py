@@ -398,19 +398,62 @@ def to_dict(cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
+def hashed_fields(c, d: dict | None = None) -> dict:
+    """The fields of config ``c`` (a dataclass) that count in ``config_hash``, as plain
+    containers; ``d``: the same section as a checkpoint stored it (``to_dict``), read under
+    ``c``'s type's rules instead."""
+    d = dict(to_dict(c) if d is None else d)
+    for name in getattr(c, "_HASH_NEVER", ()):
+        d.pop(name, None)
+    for name in getattr(c, "_HASH_IF_SET", ()):
+        if d.get(name) == getattr(type(c), name):
+            d.pop(name, None)
+    return d
+
+
 def config_hash(*cfgs) -> str:
     """What must match for a checkpoint to resume: a short hash of these configs."""
-    dicts = []
-    for c in cfgs:
-        d = to_dict(c)
-        for name in getattr(c, "_HASH_NEVER", ()):
-            d.pop(name, None)
-        for name in getattr(c, "_HASH_IF_SET", ()):
-            if d.get(name) == getattr(type(c), name):
-                d.pop(name, None)
-        dicts.append(d)
-    blob = json.dumps(dicts, sort_keys=True).encode()
+    blob = json.dumps([hashed_fields(c) for c in cfgs], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+NOT_SET = "(not recorded)"
+# the train.py flag of a model/selection field where it is not --<field with dashes>; None: no
+# flag (the preset sets it). tests/test_train.py checks these against train.py's flags.
+FLAG_OF = {"precision": "--select-precision", "factors": "--select-factors",
+           "impl": "--select-impl", "fcl": None, "fcl_dim": None, "n_mels": None,
+           "overlap": None}
+
+
+def as_flag(name: str, value) -> str:
+    """A model/selection field and its value as the command line says it (``--sampler
+    random``, ``--video-layers 1 1 1 1``, ``--no-fcl``); a field without a flag as
+    ``name=value``."""
+    if name == "fcl" and isinstance(value, bool):
+        return "--fcl" if value else "--no-fcl"
+    shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    flag = FLAG_OF.get(name, "--" + name.replace("_", "-"))
+    return f"{flag} {shown}" if flag else f"{name}={shown}"
+
+
+def config_differences(stored: dict, *cfgs) -> list[tuple[str, object, object]]:
+    """(field, value stored, value now) of every field that counts in ``config_hash`` and
+    differs between a checkpoint's config (``stored``: its ``to_dict``, sections by name) and
+    ``cfgs`` (e.g. the ModelConfig and SelectionConfig of the new command); a field the
+    checkpoint lacks reads as its default where the hash rules say so, else ``NOT_SET``."""
+    out = []
+    for c in cfgs:
+        section = next(k for k, v in SECTIONS.items() if isinstance(c, v))
+        now = hashed_fields(c)
+        then = hashed_fields(c, (stored or {}).get(section) or {})
+        for name in [f.name for f in dataclasses.fields(c)]:
+            if name in now or name in then:
+                a = then.get(name, getattr(type(c), name) if name in getattr(
+                    c, "_HASH_IF_SET", ()) else NOT_SET)
+                b = now.get(name, getattr(type(c), name))
+                if a != b:
+                    out.append((name, a, b))
+    return out
 
 
 PRESETS = {

@@ -4,16 +4,20 @@ module of the library that imports data_dali's loaders."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 import data_dali
+from data_dali.cli import first_line
 from data_dali.damaged import rank_csv
 from data_dali.manifest import sha256_file
 from data_dali.synthetic import ToyAV, ToyLoader, held_out
 
 from .config import DataConfig
+
+log = logging.getLogger("cmacc")
 
 
 def synthetic_clips(dcfg: DataConfig, seed: int) -> ToyAV:
@@ -156,6 +160,63 @@ class SyntheticSplits:
             for s in range(0, len(idx), batch_size):
                 yield self.data.batch(idx[s:s + batch_size])
         return gen
+
+
+class ManifestClips:
+    """The labelled clips of a prepared manifest that have video and audio, as the analyses that
+    look at a run's own clips (``cmacc-analysis gallery`` / ``perclass``) read them: each clip
+    as evaluation sees it (the centre clip of ``dcfg.frames`` frames, the centre square at
+    ``dcfg.size``, no augmentation), with the same keys and attributes as the synthetic clips
+    (``ToyAV``): ``batch(positions)`` → {"video", "audio", "label", "index"}, ``len``,
+    ``class_names``, ``num_classes``. Cheap to make (the manifest is read, no clip decoded). A
+    clip that fails to decode is left out of its batch, named in the log once."""
+
+    def __init__(self, source, dcfg: DataConfig, seed: int):
+        from data_dali.manifest import Manifest, ManifestError
+        from data_dali.reference import ClipDataset
+
+        self.m = Manifest(source)
+        labels = self.m.label_array
+        self.index = [i for i in self.m.select(need_video=True, need_audio=True) if labels[i] >= 0]
+        if not self.index:
+            raise ManifestError(f"{self.m.file}: no labelled clip with both video and audio, "
+                                "which the gallery and perclass analyses read; prepare labelled "
+                                "clips with their audio (class folders or a --list with labels)")
+        self.ds = ClipDataset(self.m, self.index, clip_frames=dcfg.frames, crop=dcfg.size,
+                              train=False, seed=seed)
+        self.class_names, self.num_classes = list(self.m.class_names), self.m.num_classes
+        self.labels = torch.as_tensor(labels[self.index])
+        self.failed: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def batch(self, positions) -> dict:
+        items = []
+        for k in (int(p) for p in positions):
+            if k in self.failed:
+                continue
+            try:
+                items.append(self.ds[k])
+            except Exception as e:  # noqa: BLE001 - PyAV/NumPy on a damaged file
+                self.failed.add(k)
+                row = self.m.rows[self.index[k]]
+                log.warning(
+                    "%s: clip %s (%s) cannot be decoded (%s); left out", self.m.file,
+                    row.get("id", self.index[k]), row.get("source", ""), first_line(e, 120))
+        if not items:
+            return {"video": torch.zeros(0), "audio": torch.zeros(0),
+                    "label": torch.zeros(0, dtype=torch.long), "index": torch.zeros(0, dtype=torch.long)}
+        b = torch.utils.data.default_collate(items)
+        return {"video": b["video"], "audio": b["audio"], "label": b["label"], "index": b["index"]}
+
+
+def run_clips(source: str, dcfg: DataConfig, seed: int):
+    """The clips of ``source`` that a run pretrained with ``dcfg`` looks at in the analyses:
+    its synthetic clips, or a prepared manifest's labelled clips (``ManifestClips``)."""
+    if source == "synthetic":
+        return synthetic_clips(dcfg, seed)
+    return ManifestClips(source, dcfg, seed)
 
 
 def eval_splits(source: str, dcfg: DataConfig, seed: int, *, modality: str, frames: int | None = None):

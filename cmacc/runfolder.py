@@ -14,7 +14,7 @@ from data_dali.fileio import FolderBusy, FolderLockError, hold_folder, sweep_tem
 
 from . import checkpoint as ckpt
 from . import distributed as du
-from .config import DataConfig
+from .config import NOT_SET, DataConfig, as_flag, config_differences
 from .data import data_record, describe_data
 
 log = logging.getLogger("cmacc")
@@ -123,8 +123,7 @@ class RunFolder:
         if found is not None:
             path, state = found
             if state.get("config_hash") != self.chash:
-                raise UsageError(f"checkpoint {path} was made with a different model/selection "
-                                 "config; use another --out, or the flags of that run")
+                raise UsageError(self._other_config(path, state))
             self._same_data(path, state)
             self.run_id = state.get("run_id") or ckpt.new_run_id()
             return found
@@ -143,15 +142,44 @@ class RunFolder:
             self.run_id = ckpt.new_run_id()
         return None
 
+    def _other_config(self, path, state) -> str:
+        """The line refusing a checkpoint of another model/selection config: each field that
+        counts in its config hash and differs, with the checkpoint's value and the new one, and
+        the flags that resume it."""
+        try:
+            diff = config_differences(state.get("config") or {}, self.cfg.model, self.cfg.selection)
+        except Exception:  # noqa: BLE001 - a config this version cannot read: no field named
+            diff = []
+        if not diff:
+            return (f"checkpoint {path} was made with another model/selection config (its "
+                    "recorded fields match this command's: written by another version of "
+                    "cmacc?); use another --out, or that version")
+        said = "; ".join(f"{as_flag(n, a) if a != NOT_SET else n + ' ' + NOT_SET} in the "
+                         f"checkpoint, {as_flag(n, b)} now" for n, a, b in diff)
+        back = " ".join(as_flag(n, a) for n, a, _ in diff if a != NOT_SET)
+        return (f"checkpoint {path} was made with another model/selection config: {said}; "
+                f"resume it with {back or 'the flags of that run'}, or start this config in "
+                "another --out")
+
     def _same_data(self, path, state) -> None:
         """A run goes on with the data it trained on: its dictionaries and pools hold row
         positions of those clips, and eval and the model card name that data. Another manifest
-        (by absolute path or SHA-256) or other synthetic clips are refused in one line."""
+        (another SHA-256) or other synthetic clips are refused in one line; the same manifest's
+        bytes at another path (a moved or copied dataset folder) go on, logged, and the run's
+        checkpoints record the new path from then on."""
         if self.data.get("source") != "synthetic" and self.data.get("manifest_sha256") is None:
             return  # --data names no file: the loader says so, in one line
         theirs = state.get("data")
         if not isinstance(theirs, dict):  # written before checkpoints recorded their data
             theirs = data_record(DataConfig(**state["config"]["data"]))
+        digest = self.data.get("manifest_sha256")
+        if (theirs != self.data and digest is not None and theirs.get("manifest_sha256") == digest
+                and theirs.get("source") != "synthetic"):  # the same bytes at another path
+            log.info("the manifest has moved: checkpoint %s was trained on %s, and %s holds the "
+                     "same bytes (sha256 %s); going on with %s, which this run's checkpoints "
+                     "name from now on", path, theirs.get("source"), self.data["source"],
+                     digest[:12], self.data["source"])
+            return
         if theirs != self.data:
             raise UsageError(
                 f"--data {describe_data(self.data)}: checkpoint {path} was trained on "

@@ -45,6 +45,9 @@ class StepMetrics:
     data_wait: float = NAN  # share of the wall time spent waiting for the next batch
     t_select_visible: float = 0.0  # of t_select, seconds the step waited (overlap hides the rest)
     bad_clips: float = 0.0  # damaged clips skipped and replaced so far (OUT/bad_clips.csv)
+    # of t_step, seconds per step re-encoding the pools (--pool-refresh; 0: none). Last, so a
+    # metrics.csv of an older version only gains a column (_upgrade_header) when it resumes
+    t_refresh: float = 0.0
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -171,10 +174,12 @@ class RunLogger:
             left = eta(self.total - m.step, m.step - self.start_step, time.perf_counter() - self.t0)
             where += f"/{self.total} ({100 * m.step / self.total:.0f}%, eta {left})"
         log.info("step %s | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
-                 "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms, "
-                 "select %.2f ms (%.2f visible) | mfu %s", where, m.loss, m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
+                 "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms "
+                 "(of it refresh %.1f ms), select %.2f ms (%.2f visible) | mfu %s", where, m.loss,
+                 m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
                  m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
-                 1e3 * m.t_select, 1e3 * m.t_select_visible, f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
+                 1e3 * m.t_refresh, 1e3 * m.t_select, 1e3 * m.t_select_visible,
+                 f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 
     def close(self):
         if self.csv is not None:

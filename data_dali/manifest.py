@@ -53,8 +53,13 @@ class Manifest:
     def __init__(self, path):
         self.file = Path(path).resolve()
         if self.file.is_dir():
-            raise ManifestError(f"{path}: a folder, not a manifest; pass the manifest.csv in it "
-                                "(written by `python -m data_dali.prepare SRC OUT`)")
+            inside = self.file / "manifest.csv"
+            if inside.is_file():
+                raise ManifestError(f"{path}: a folder, not a manifest; pass the manifest.csv in "
+                                    f"it ({inside})")
+            raise ManifestError(f"{path}: a folder with no manifest.csv (a folder of videos?); "
+                                f"prepare it first: `cmacc-prepare {path} OUT` (= python -m "
+                                "data_dali.prepare), then pass OUT/manifest.csv")
         if not self.file.is_file():
             raise FileNotFoundError(f"{path}: no manifest; create one with "
                                     "`python -m data_dali.prepare SRC OUT` (OUT/manifest.csv)")

@@ -35,6 +35,44 @@ def test_perclass_and_report(tiny_run, tmp_path):
     assert "perclass.png" in report.read_text()
 
 
+@pytest.fixture(scope="module")
+def manifest_run(tiny_prepared, tmp_path_factory):
+    """A 2-step run pretrained on the 12-clip prepared set (2 classes; M = 4): its folder."""
+    import train
+
+    out = tmp_path_factory.mktemp("manifest_run") / "run"
+    train.main(["--preset", "tiny", "--batch-size", "4", "--dict-size", "8", "--pool-size", "16",
+                "--log-every", "1", "--data", str(tiny_prepared[1] / "manifest.csv"),
+                "--loader", "reference", "--workers", "0", "--steps", "2", "--out", str(out)])
+    return out
+
+
+def test_gallery_and_perclass_read_a_run_pretrained_on_a_manifest(manifest_run, tiny_prepared,
+                                                                  tmp_path, capsys):
+    """Issue 51: ``cmacc-analysis gallery`` / ``perclass`` of a run trained on real clips used
+    to be refused (they read only the synthetic clips); they read the run's own manifest, as
+    its checkpoint records it, and name it in the log."""
+    from data_dali.manifest import Manifest
+
+    out = tmp_path / "an"
+    assert analysis.main(["gallery", str(manifest_run), "--out", str(out)]) == 0
+    assert analysis.main(["perclass", str(manifest_run), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    manifest = str((tiny_prepared[1] / "manifest.csv").resolve())
+    assert f"on {manifest} (the run's own pretraining data: 12 clips, 2 classes)" in err, err
+    res = json.loads((out / "results.json").read_text())
+    assert (out / "gallery.png").stat().st_size > 1000 and (out / "perclass.png").is_file()
+    rows = res["gallery"]["rows"]  # 4 audio queries (M), the other 8 clips the candidates
+    assert rows and 1 <= sum(r["n_candidates"] for r in rows) <= 8
+    for r in rows:
+        assert r["hard"] == sorted(r["hard"], reverse=True)
+    names = Manifest(manifest).class_names
+    for direction in ("video→audio", "audio→video"):
+        top = res["perclass"]["top"][direction]
+        assert sorted(c for c, _ in top) == sorted(names) and all(0 <= a <= 1 for _, a in top)
+    assert "## Pretext accuracy per class" in (out / "report.md").read_text()
+
+
 def test_diversity_command_compares_samplers_over_seeds(tmp_path):
     data = dict(classes=6, clips=96, class_dist="zipf:1", redundancy=0.5, noise=1.0)
     res = analysis.diversity(tmp_path, steps=20, samplers=("random", "active"), seeds=2,

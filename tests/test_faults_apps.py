@@ -102,6 +102,18 @@ def test_eval_split_without_test_clips(tiny_run, prepared, tmp_path, capsys):
           "split1", "0 test clips")
 
 
+def test_eval_names_a_missing_test_split_and_how_to_get_one(tiny_run, prepared, tmp_path, capsys):
+    """Issue 51: a manifest whose split column marks no clip 'test' was told "0 test clips with
+    audio ... prepare the data with audio", though its clips have audio: the line says the
+    manifest has no test split and how to get one."""
+    no_test = variant(prepared, "no_test_split.csv", split1="train")
+    last = fails(ev.main, [tiny_run, "--data", no_test, "--modality", "audio", "--out", tmp_path],
+                 capsys, no_test, "split1 has 12 train and 0 test clips with audio",
+                 "the manifest has no test split", "split1 column marks 12 clip(s), none 'test'",
+                 "split column of the --list file", "'heldout'")
+    assert "prepare the data with audio" not in last
+
+
 def test_eval_flag_values_are_argparse_errors(tiny_run, capsys):
     with pytest.raises(SystemExit) as e:
         ev.main([str(tiny_run), "--batch-size", "0"])
@@ -116,13 +128,26 @@ def test_analysis_gallery_needs_a_run(tmp_path, capsys, monkeypatch):
           tmp_path / "nope", "no such checkpoint")
 
 
-def test_analysis_perclass_refuses_a_run_pretrained_on_a_manifest(tiny_run, tmp_path, capsys):
+def test_analysis_perclass_of_a_manifest_run_needs_its_manifest(tiny_run, prepared, tmp_path,
+                                                                 capsys):
+    """perclass / gallery read a manifest run's own clips (test_analysis.py): a manifest that
+    is gone is one line naming it and --data; the synthetic clips are refused for such a run."""
+    import hashlib
+
     path, state = ckpt.find_latest_valid(tiny_run)
-    state["config"]["data"]["source"] = "UCF101/manifest.csv"
+    gone = tmp_path / "UCF101" / "manifest.csv"
+    state["config"]["data"]["source"] = str(gone)
+    state["data"] = {"source": str(gone), "manifest_sha256": "0" * 64}
     (tmp_path / "run").mkdir()
     torch.save(state, tmp_path / "run" / path.name)
     fails(analysis.main, ["perclass", tmp_path / "run", "--out", tmp_path], capsys,
-          tmp_path / "run", "UCF101/manifest.csv", "--data synthetic")
+          gone, "not there", "--data MANIFEST")
+    sha = hashlib.sha256(open(prepared, "rb").read()).hexdigest()
+    state["config"]["data"]["source"] = prepared
+    state["data"] = {"source": prepared, "manifest_sha256": sha}
+    torch.save(state, tmp_path / "run" / path.name)
+    fails(analysis.main, ["gallery", tmp_path / "run", "--data", "synthetic", "--out", tmp_path],
+          capsys, "--data synthetic", prepared)
 
 
 def test_analysis_bad_dictionary_size_fails_before_pretraining(tmp_path, capsys, monkeypatch):
@@ -138,11 +163,18 @@ def test_analysis_out_is_a_file(junk, capsys, monkeypatch):
           junk / "a_file")
 
 
-def test_analysis_all_on_a_manifest_fails_before_pretraining(prepared, tmp_path, capsys,
-                                                             monkeypatch):
-    monkeypatch.setattr(Trainer, "run", _no_training)
-    fails(analysis.main, ["all", "--data", prepared, "--out", tmp_path], capsys, prepared,
-          "gallery and perclass")
+def test_analysis_all_on_a_manifest_pretrains(prepared, tmp_path, monkeypatch):
+    """``all --data MANIFEST`` was refused while gallery and perclass read only the synthetic
+    clips; now they read OUT/active/seed0's manifest, so the pretraining starts."""
+    class Started(Exception):
+        pass
+
+    def run(self):
+        raise Started
+
+    monkeypatch.setattr(Trainer, "run", run)
+    with pytest.raises(Started):
+        analysis.main(["all", "--data", prepared, "--out", str(tmp_path)])
 
 
 def test_analysis_checks_the_probe_splits_before_pretraining(prepared, tmp_path, capsys,

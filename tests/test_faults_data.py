@@ -346,8 +346,28 @@ def test_an_implausible_label_fails_before_anything_is_allocated(dataset):
 
 
 def test_the_manifest_path_is_a_folder(dataset):
-    with pytest.raises(ManifestError, match="a folder, not a manifest"):
+    (dataset / "manifest.csv").write_text(_rows("1,clips/a.webm,,,0,10,10,1.0"))
+    with pytest.raises(ManifestError, match="a folder, not a manifest; pass the manifest.csv in "
+                                            "it"):
         Manifest(dataset)
+
+
+def test_a_folder_of_videos_as_data_says_to_prepare_it_first(tmp_path, capsys):
+    """Issue 51: --data given a raw video folder was told "pass the manifest.csv in it", where
+    there is none: the line says to run prepare first, and what to pass after."""
+    import train
+
+    (tmp_path / "videos" / "dog").mkdir(parents=True)
+    (tmp_path / "videos" / "dog" / "a.mp4").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--data", str(tmp_path / "videos"), "--steps", "1",
+                    "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "Traceback" not in err
+    assert line.startswith(f"error: --data {tmp_path / 'videos'}: a folder with no manifest.csv"), line
+    assert f"cmacc-prepare {tmp_path / 'videos'} OUT" in line and "then pass OUT/manifest.csv" in line
+    assert "pass the manifest.csv in it" not in line
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,6 +68,49 @@ def test_a_pool_refresh_run_resumes_as_if_uninterrupted(tmp_path):
         torch.testing.assert_close(sa[k], sb[k], rtol=0, atol=0, msg=k)
 
 
+def test_the_pool_refresh_has_its_own_time_in_the_log_and_metrics(tmp_path, capsys):
+    """Issue 51: --pool-refresh made a step ~10x slower and the log filed it all under "step";
+    the refresh's own time (``refresh_pools``, within t_step) is metrics.csv's last column,
+    t_refresh (seconds per step, as the other t_ columns), and the log line shows it in ms."""
+    out = tmp_path / "run"
+    train.main(FAST + ["--sampler", "pool-random", "--pool-refresh", "2", "--steps", "6",
+                       "--out", str(out)])
+    err = capsys.readouterr().err
+    rows = _rows(out)  # one a step (--log-every 1); the pool is full, and refreshed, from step 4
+    assert list(rows[0])[-1] == "t_refresh"
+    assert [float(r["t_refresh"]) > 0 for r in rows] == [False] * 3 + [True] * 3, rows
+    assert all(float(r["t_refresh"]) <= float(r["t_step"]) for r in rows)
+    lines = [line for line in err.splitlines() if "(of it refresh " in line]
+    assert len(lines) == len(rows), err
+    shown = float(lines[-1].split("(of it refresh ")[1].split(" ms")[0])
+    assert shown == pytest.approx(1e3 * float(rows[-1]["t_refresh"]), abs=0.06)
+
+
+def test_a_metrics_csv_without_t_refresh_resumes_and_plots(tmp_path):
+    """A metrics.csv of a version before t_refresh (no such column) resumes: the rows past the
+    checkpoint are cut (truncate_rows), the header gains the column at its end, the old rows
+    keep their values with t_refresh empty; the summary and cmacc-plot read it."""
+    from cmacc.apps import plot
+
+    out = tmp_path / "run"
+    train.main(FAST + ["--steps", "3", "--ckpt-every", "2", "--out", str(out)])
+    (out / "ckpt_00000003.pt").unlink()  # resume from step 2: row 3 is cut
+    rows = _rows(out)
+    old = [k for k in rows[0] if k != "t_refresh"]
+    with open(out / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    train.main(FAST + ["--steps", "4", "--out", str(out)])
+    after = _rows(out)
+    assert [r["step"] for r in after] == ["1", "2", "3", "4"] and list(after[0])[-1] == "t_refresh"
+    assert [r["t_refresh"] for r in after[:2]] == ["", ""] and float(after[-1]["t_refresh"]) == 0
+    assert [r["loss"] for r in after[:2]] == [r["loss"] for r in rows[:2]]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert plot.main([str(out), "--keys", "t_step", "t_refresh", "--out",
+                      str(tmp_path / "curves.png")]) == 0
+
+
 def test_pool_refresh_reads_the_clips_the_loader_reads(tiny_prepared):
     """What the pool refresh re-encodes of a prepared dataset is each clip as the training
     loader gives it in the same epoch (the same augmentation draw): checked against a batch of
@@ -116,6 +159,66 @@ def test_a_run_continues_only_on_the_synthetic_clips_it_trained_on(tmp_path, cap
     assert "--clips 32" in line and "--clips 24" in line and "ckpt_00000002.pt" in line
     assert (out / "ckpt_00000002.pt").read_bytes() == before
     assert not (out / "ckpt_00000003.pt").exists()
+
+
+def test_a_run_goes_on_with_its_manifest_moved_and_records_the_new_path(tiny_prepared, tmp_path,
+                                                                        capsys):
+    """Issue 51: a resume from the byte-identical manifest at another path (the dataset folder
+    moved) was refused with the same SHA-256 printed twice; it goes on, one log line names
+    both paths, and the checkpoints written from then on record the new path."""
+    small = ["--preset", "tiny", "--batch-size", "4", "--dict-size", "8", "--pool-size", "16",
+             "--log-every", "1", "--loader", "reference", "--workers", "0"]
+    old, new, out = tmp_path / "old", tmp_path / "new", tmp_path / "run"
+    shutil.copytree(tiny_prepared[1], old)
+    train.main(small + ["--data", str(old / "manifest.csv"), "--steps", "1", "--out", str(out)])
+    shutil.move(old, new)
+    capsys.readouterr()
+    train.main(small + ["--data", str(new / "manifest.csv"), "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    was, now = str((tmp_path / "old" / "manifest.csv").resolve()), str((new / "manifest.csv").resolve())
+    moved = [line for line in err.splitlines() if "the manifest has moved" in line]
+    assert len(moved) == 1 and was in moved[0] and now in moved[0], err
+    assert "resumed run" in err
+    state = ckpt.load(out / "ckpt_00000002.pt")
+    assert state["step"] == 2 and state["data"]["source"] == now
+    assert state["config"]["data"]["source"] == now
+
+
+def test_a_resume_with_another_config_names_each_field_and_both_values(tmp_path, capsys):
+    """Issue 51: a resume after changing --sampler and --dict-size said only "a different
+    model/selection config"; the line names each field that counts in the config hash, the
+    checkpoint's value and the new one, and the flags that resume the run."""
+    out = tmp_path / "run"
+    train.main(FAST + ["--steps", "2", "--out", str(out)])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(FAST + ["--sampler", "random", "--dict-size", "12", "--steps", "3",
+                           "--out", str(out)])
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "Traceback" not in err and line.startswith("error: checkpoint")
+    assert "--dict-size 8 in the checkpoint, --dict-size 12 now" in line, line
+    assert "--sampler active in the checkpoint, --sampler random now" in line, line
+    assert "resume it with --dict-size 8 --sampler active" in line, line
+    assert "--pool-size" not in line and "--seed" not in line  # only what differs
+
+
+def test_the_config_fields_are_named_by_their_flags():
+    """cmacc.config.as_flag (the refusal above) names each model/selection field as train.py's
+    flag; a field without one as name=value."""
+    import dataclasses
+
+    from cmacc.config import ModelConfig, SelectionConfig, as_flag
+
+    for c in (ModelConfig, SelectionConfig):
+        for f in dataclasses.fields(c):
+            flag = as_flag(f.name, "x").split(" ")[0]
+            if f.name == "fcl":
+                assert as_flag("fcl", False) == "--no-fcl" and as_flag("fcl", True) == "--fcl"
+            elif flag.startswith("--"):
+                assert train.FIELD_FLAGS.get(f.name) == flag, f.name
+            else:
+                assert f.name not in train.FIELD_FLAGS, f.name
 
 
 @pytest.mark.parametrize("steps", [3, 6])

@@ -8,7 +8,10 @@ Installed as the command ``cmacc-analysis`` (= ``python -m cmacc.apps.analysis``
     python -m cmacc.apps.analysis all       --out runs/analysis    # everything + report.md
 
 The training runs use the tiny preset (M = 16) on the built-in synthetic clips (CPU); pass
-``--data MANIFEST`` to pretrain on a prepared dataset instead. ``diversity`` runs every sampler
+``--data MANIFEST`` to pretrain on a prepared dataset instead. ``gallery`` and ``perclass`` look
+at the clips the run was pretrained on (the synthetic clips, or its manifest's labelled clips
+with video and audio, each the centre clip, as evaluation reads it), or at ``--data``'s.
+``diversity`` runs every sampler
 (random, active, active-feature, OHEM) with several seeds in a regime where the metric is not
 saturated (``DIVERSITY_DATA``: 32 classes, Zipf-distributed, redundant instances; ~5 minutes on
 2 CPU cores) and reports mean ± 95% CI over seeds. Finished runs are resumed, not redone. Everything a command needs (output folder, run configs, the data's evaluation splits
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 
 from cmacc.config import GRAD_VIEWS, PRESETS, Config
-from cmacc.data import synthetic_clips
+from cmacc.data import run_clips, synthetic_clips
 from cmacc.metrics import expected_unique, format_interval, mean_ci
 from cmacc.runlog import read_csv, save_figure
 from cmacc.trainer import Trainer
@@ -35,7 +38,7 @@ from data_dali.cli import (ArgumentParser, UserError, command, first_line, outpu
 from data_dali.fileio import atomic_write_text
 
 from . import positive_int
-from .eval import eval_data, evaluate, load_pretrained, write_results
+from .eval import eval_data, evaluate, load_pretrained, resolve_data, write_results
 
 log = logging.getLogger("cmacc.analysis")
 SAMPLER_LABELS = {"random": "random (XMoCo)", "active": "active, gradient (CM-ACC)",
@@ -372,16 +375,22 @@ def plot_dictsize(rows: list[dict], png) -> Path:
 
 # -- (b) gradient-norm gallery -------------------------------------------------------------------
 @torch.no_grad()
-def gallery(run, out, n_queries=3, n_show=4, seed=0) -> dict:
+def gallery(run, out, n_queries=3, n_show=4, seed=0, data=None, candidates=512) -> dict:
     """For a few audio queries of a batch, the video candidates whose pseudo-label is that query:
-    the hardest (largest last-layer gradient norm) and easiest (smallest), centre frames."""
+    the hardest (largest last-layer gradient norm) and easiest (smallest), centre frames. The
+    clips: ``data`` (None: the run's own pretraining data, the synthetic clips or its manifest;
+    ``analysed_run``), a batch of M queries and up to ``candidates`` other clips."""
     from kernels import grad_embed
 
-    model, data = synthetic_run(run)
-    m = model.cfg.batch_size
+    model, data = analysed_run(run, data, "gallery")
+    m = min(model.cfg.batch_size, len(data) // 2)  # queries: a batch (of a small set: half)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(data), generator=g)
-    qb, cb = data.batch(perm[:m]), data.batch(perm[m:])
+    qb, cb = data.batch(perm[:m]), data.batch(perm[m:m + candidates])
+    if len(qb["label"]) == 0 or len(cb["label"]) == 0:
+        raise UserError(f"{run}: the gallery needs at least 2 readable clips with video and "
+                        f"audio, and its data has {len(data)}; pass --data with more clips")
+    m = len(qb["label"])
     q_a, h_a = model.f_a(qb["audio"])  # pseudo-label space: the audio queries of the batch
     k_v, _ = model.h_v(cb["video"])  # candidates: video keys
     alpha, beta = grad_embed(k_v, q_a, h_a, tau=model.sel.tau_p, view=model.sel.grad_view)
@@ -419,14 +428,17 @@ def _frame(ax, video, title):
 
 # -- (c) pretext accuracy per class ------------------------------------------------------------
 @torch.no_grad()
-def perclass(run, out, top=5) -> dict:
+def perclass(run, out, top=5, data=None) -> dict:
     """Cross-modal pretext top-1 (positive key beats every dictionary key) per class, both
-    directions, with the checkpoint's dictionaries."""
-    model, data = synthetic_run(run)
+    directions, with the checkpoint's dictionaries, over every clip of ``data`` (None: the
+    run's own pretraining data; ``analysed_run``)."""
+    model, data = analysed_run(run, data, "perclass")
     hits = {"video→audio": torch.zeros(data.num_classes), "audio→video": torch.zeros(data.num_classes)}
     n = torch.zeros(data.num_classes)
     for s in range(0, len(data), 64):
         b = data.batch(torch.arange(s, min(len(data), s + 64)))
+        if len(b["label"]) == 0:  # every clip of the batch failed to decode (logged)
+            continue
         q_v, _ = model.f_v(b["video"])
         q_a, _ = model.f_a(b["audio"])
         k_v, _ = model.h_v(b["video"])
@@ -455,15 +467,37 @@ def perclass(run, out, top=5) -> dict:
 
 
 def synthetic_run(run):
-    """The model of a run (eval mode) and the synthetic clips it was pretrained on; a
-    UserError when the run was pretrained on a prepared dataset."""
+    """The model of a run (eval mode) and the synthetic clips it was pretrained on (what
+    ``key_diagnostics`` measures: it needs their near-duplicate groups); a UserError when the
+    run was pretrained on a prepared dataset."""
     model, state = load_pretrained(run)
     cfg = state["cfg"]
     if not cfg.data.synthetic:
-        raise UserError(f"{run}: gallery and perclass read the built-in synthetic clips, but this "
+        raise UserError(f"{run}: the key diagnostics read the built-in synthetic clips, but this "
                         f"run was pretrained on {cfg.data.source}; pass a run made with --data "
                         "synthetic")
     return model.eval(), synthetic_clips(cfg.data, cfg.model.seed)
+
+
+def analysed_run(run, data=None, what: str | None = "the analysis"):
+    """The model of a run (eval mode) and the clips that gallery and perclass look at:
+    ``data`` (a manifest, or 'synthetic'), or with None the run's own pretraining data as its
+    checkpoint records it (``cmacc.apps.eval.resolve_data``: a UserError naming --data when
+    that manifest is not there or has changed since, or when the synthetic clips are asked of
+    a run pretrained on a manifest). Cheap: the manifest is read, no clip is decoded."""
+    model, state = load_pretrained(run)
+    cfg = state["cfg"]
+    source, why = resolve_data(data, state)
+    try:
+        clips = run_clips(source, cfg.data, cfg.model.seed)
+    except (UserError, FileNotFoundError, ValueError) as e:
+        said = str(e)  # (a manifest's message starts with its path)
+        named = said.startswith((source, str(Path(source).resolve())))
+        raise UserError(f"--data {said if named else f'{source}: {said}'}") from None
+    if what:
+        log.info("%s: the run %s (step %s) on %s (%s: %d clips, %d classes)", what,
+                 state["file"], state.get("step"), source, why, len(clips), clips.num_classes)
+    return model.eval(), clips
 
 
 def _pm(stat) -> str:
@@ -581,7 +615,11 @@ def main(argv=None):
                    help=f"pretraining steps per run (default: diversity {DIVERSITY_STEPS}, "
                         "dictsize 120)")
     p.add_argument("--sizes", type=positive_int, nargs="+", default=[32, 64, 128])
-    p.add_argument("--data", default="synthetic")
+    p.add_argument("--data", default=None,
+                   help="diversity, dictsize, all: the data the runs pretrain on, 'synthetic' "
+                        "(default) or a prepared manifest.csv (cmacc-prepare); gallery, perclass: "
+                        "the clips to look at (default: the run's own pretraining data, as its "
+                        "checkpoint records it)")
     g = p.add_argument_group("diversity", "runs, and the synthetic clips they pretrain on")
     g.add_argument("--seeds", type=positive_int, default=DIVERSITY_SEEDS,
                    help=f"seeds per sampler (default {DIVERSITY_SEEDS}; the CIs are over seeds)")
@@ -601,10 +639,7 @@ def main(argv=None):
                       if v is not None}
     if args.what in ("gallery", "perclass") and not args.run:
         p.error(f"{args.what} needs a run folder (a pretrained checkpoint), e.g. runs/analysis/active/seed0")
-    if args.what == "all" and args.data != "synthetic" and not args.run:
-        raise UserError(f"all --data {args.data}: gallery and perclass read the built-in synthetic "
-                        "clips, so OUT/active/seed0 (pretrained on --data) cannot serve them; run "
-                        "diversity and dictsize with --data, or pass a synthetic run folder")
+    data = args.data or "synthetic"  # what the runs pretrain on
     out = output_folder(args.out, "--out")
     div_steps, size_steps = args.steps or DIVERSITY_STEPS, args.steps or 120
     div = diversity_runs(out, tuple(args.samplers), args.seeds, data_over, selection_over)
@@ -614,20 +649,20 @@ def main(argv=None):
     if args.what in ("dictsize", "all"):
         runs.update(dictsize_runs(out, args.sizes))
     if runs:
-        check_runs(runs, min(div_steps, size_steps), args.data)
+        check_runs(runs, min(div_steps, size_steps), data)
     if runs and args.run:  # the run analysed after the pretraining
-        synthetic_run(args.run)
+        analysed_run(args.run, args.data, None)
     results = {}
     if args.what in ("diversity", "all"):
-        results["diversity"] = diversity(out, div_steps, args.data, tuple(args.samplers),
+        results["diversity"] = diversity(out, div_steps, data, tuple(args.samplers),
                                          args.seeds, data_over, selection_over)
     if args.what in ("dictsize", "all"):
-        results["dictsize"] = dictsize(out, size_steps, args.sizes, args.data)
+        results["dictsize"] = dictsize(out, size_steps, args.sizes, data)
     run = args.run or str(out / "active" / "seed0")
     if args.what in ("gallery", "all"):
-        results["gallery"] = gallery(run, out)
+        results["gallery"] = gallery(run, out, data=args.data)
     if args.what in ("perclass", "all"):
-        results["perclass"] = perclass(run, out)
+        results["perclass"] = perclass(run, out, data=args.data)
     print(f"report: {write_report(out, results)}")
     return 0
 

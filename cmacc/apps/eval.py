@@ -201,7 +201,7 @@ def eval_data(cfg: Config, data, *, modality, protocol="linear", splits=None, fr
             raise UserError(f"--splits {' '.join(unknown)}: {data} has splits {', '.join(keys)}; "
                             "pass some of those or drop --splits")
         chosen = [t for t in available if t[0] in wanted or _split_key(t[0]) in wanted]
-    _check_sizes(chosen, data, modality)
+    _check_sizes(chosen, data, modality, ds)
     if ds.num_classes < 2:
         raise UserError(f"--data {data}: {ds.num_classes} labelled class(es); a probe needs >= 2 "
                         "(prepare a labelled dataset)")
@@ -306,7 +306,7 @@ def evaluate(model, state, data=None, *, modality, protocol, splits=None, device
     if hasattr(ds, "leave_out_damaged"):
         chosen = ds.leave_out_damaged(chosen, max_bad_clips)
         bad = ds.bad
-        _check_sizes(chosen, source, modality)
+        _check_sizes(chosen, source, modality, ds)
     labels, props, names = _labels_and_properties(ds, chosen)
     results = []
     for k, (name, tr, te) in enumerate(chosen):
@@ -421,12 +421,58 @@ def _not_beaten(res: dict, what: str) -> list[str]:
     return out
 
 
-def _check_sizes(chosen, data, modality) -> None:
+def _check_sizes(chosen, data, modality, ds=None) -> None:
     for name, tr, te in chosen:
         if len(tr) == 0 or len(te) == 0:
+            part = "test" if len(te) == 0 else "train"
+            why = _no_split_part(ds, name, part, chosen)
+            if why:
+                raise UserError(f"--data {data}: {name} has {len(tr)} train and {len(te)} test "
+                                f"clips with {modality}: {why}")
             raise UserError(f"--data {data}: {name} has {len(tr)} train and {len(te)} test clips "
                             f"with {modality}; a probe needs both (prepare the data with "
                             f"{modality}, or choose another --modality / --splits)")
+
+
+def _no_split_part(ds, name, part, chosen) -> str | None:
+    """Why split ``name`` of a manifest has no ``part`` ("train"/"test") clips at all, whatever
+    their modality, and how to get them: the words, or None when it has such clips (they lack
+    the modality, or a label) or the data is not a manifest."""
+    m = getattr(ds, "m", None)
+    if m is None:
+        return None
+    rows = m.rows
+    others = [n for n, tr, te in chosen if n != name and len(tr) and len(te)]
+    elsewhere = (f"pass --splits {' '.join(_split_key(n) for n in others)} (the splits that "
+                 "have both), " if others else "")
+    heldout = ("or prepare the list without its split column, so that cmacc-eval holds out 1 "
+               f"in {_held_out()} of each class's clips (split 'heldout')")
+    if re.fullmatch(r"split[123]", name):
+        if any(r.get(name) == part for r in rows):
+            return None
+        marked = sum(1 for r in rows if r.get(name))
+        return (f"the manifest has no {part} split: its {name} column marks {marked} clip(s), "
+                f"none '{part}', and a probe needs both: mark some clips '{part}' in the split "
+                "column of the --list file and prepare again (docs/DATA.md, Evaluation splits), "
+                f"{elsewhere}{heldout}")
+    if name.startswith("fold") and part == "train":
+        folds = sorted({r["fold"] for r in rows if r.get("fold")})
+        if len(folds) > 1:
+            return None
+        return (f"the manifest has one fold ({', '.join(folds)}), so no clip is left to train "
+                "a probe when it is the test set; give the clips two or more folds (the fold "
+                f"column of the --list file) and prepare again, {heldout}")
+    if name == "heldout" and part == "test":
+        return ("every labelled class has at most one such clip, and the held-out split tests "
+                f"1 in {_held_out()} of the clips of each class that has 2 or more; add clips, "
+                "or a split column with 'test' clips (the --list file's split column)")
+    return None
+
+
+def _held_out() -> int:
+    from data_dali.loader import HELD_OUT
+
+    return HELD_OUT
 
 
 _SEED = 20210503  # the evaluation's own seed (split k uses _SEED + k): results repeat
