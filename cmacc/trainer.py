@@ -97,6 +97,7 @@ class Trainer(RunFolder):
         self.bad_total = 0  # the run's damaged clips (every rank's, every attempt's): agreed
         self.logger = self.bar = self.store = self.stats = self.saved_step = None
         self.held = None  # rank 0: the open lock file of OUT (one run per folder)
+        self.resumed_from = None  # the checkpoint this run resumed from (its path)
         # torchrun restarts of this job as every rank agrees (_agree_on_the_attempt); every
         # decision that depends on it reads this. None: not agreed yet (a first attempt)
         self.restart = None
@@ -115,6 +116,7 @@ class Trainer(RunFolder):
 
     def _run(self) -> dict:
         with self._process_group(), self._stop_on_signals():
+            self._check_world()  # before any collective: a refusal costs nothing
             self._agree_on_the_attempt()
             try:
                 self._repeat_an_agreed_stop()
@@ -305,16 +307,20 @@ class Trainer(RunFolder):
         if du.world_size() == 1:
             self.stop_requested = True
 
-    def _setup(self):
-        cfg = self.cfg
+    def _check_world(self):
+        """The global batch M divides over the ranks, at least 2 clips each (BatchNorm)."""
         self.rank, self.world = du.rank(), du.world_size()
-        m = cfg.model.batch_size
+        m = self.cfg.model.batch_size
         if m % self.world or m // self.world < 2:  # the world sizes a run cannot continue at
             fits = [w for w in range(1, m // 2 + 1) if m % w == 0]  # (BatchNorm: 2 clips a rank)
             raise UsageError(f"--batch-size {m} (global M) does not divide over {self.world} "
                              "ranks into at least 2 clips each (BatchNorm); use a multiple of "
                              f"{2 * self.world} for a new run, or run this one on a number of "
                              f"ranks that divides it so ({', '.join(map(str, fits))})")
+
+    def _setup(self):
+        cfg = self.cfg
+        self._check_world()
         self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda"
                        else torch.device("cpu"))
         self.chash = config_hash(cfg.model, cfg.selection)
@@ -392,7 +398,7 @@ class Trainer(RunFolder):
         self.store = ckpt.Checkpoints(self.out, self.run_id, keep=cfg.run.keep,
                                       writer=self.rank == 0)  # (only rank 0 reads run.json)
         if self.resume_from is not None:
-            self.store.last = self.resume_from[0]
+            self.store.last = self.resumed_from = self.resume_from[0]
             self.resume_from = None  # the loaded state (~0.6 GB at the paper preset) is let go
         self.logger = RunLogger(self.out, enabled=self.rank == 0, tensorboard=cfg.run.tensorboard,
                                 purge_step=purge, total=cfg.run.steps, start_step=self.step)

@@ -61,6 +61,8 @@ class SelectPlan:
         if not 1 <= k <= capacity:
             raise ValueError(f"select: k={k} must be in [1, capacity={capacity}]")
         dev = torch.device(device)
+        if variant == "auto":  # the one measured fastest here (plan_for resolves it first)
+            variant = auto_variant(capacity, dev)
         self.capacity, self.m, self.k, self.view, self.tau = capacity, m, k, view, float(tau)
         self.precision, self.variant, self.device = ge.precision_of(precision), variant, dev
         head = view == "head"

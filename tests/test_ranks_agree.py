@@ -231,7 +231,7 @@ def test_ranks_whose_agents_counted_restarts_differently_start_the_same_way(tmp_
         os.environ["TORCHELASTIC_RESTART_COUNT"] = str(counts[rank])
         t = Trainer(_config(out, "--steps", "4", "--resume", "none"))
         t.run()
-        return t.step, t.resume_from[0].name if t.resume_from else None, t.restart
+        return t.step, t.resumed_from.name if t.resumed_from else None, t.restart
 
     ckpt.write_stop(out, "the agreed line", 2, "job9", 2)
     assert run_ranks(rank_fn, env=env) == [("error", "UsageError: the agreed line")] * 2

@@ -309,6 +309,9 @@ def test_the_auto_variant_is_the_one_measured_faster_on_the_device(monkeypatch):
     keys, queries, feats, exclude = _pool(300, 8, 16, 24, seed=3)
     plan = ts.plan_for(keys, queries, feats, 8, n=300, variant="auto")
     assert plan.variant == ("steps" if DEV != "cuda" else ts.auto_variant(300, DEV))
+    direct = ts.SelectPlan(300, 8, 16, 24, 8, view="head", tau=1.0, precision=None,
+                           factors="fp32", variant="auto", device=DEV, keys_buffer=keys)
+    assert direct.variant == plan.variant  # a plan built directly resolves "auto" too
     got = ts.select_triton(keys, queries, feats, 8, seed=11, n=300, exclude=exclude,
                            variant="auto")
     want = ref.select(keys, queries, feats, 8, seed=11, exclude=exclude)
