@@ -247,9 +247,10 @@ class CMACC(nn.Module):
         if self.timer:
             self.timer.stop("refresh", t0)
 
-    def _select(self, pool, dictionary, queries, feats, m, step, which):
-        # the pool's capacity buffers and valid count: one GPU graph for every fill level
-        return select(self.sel.sampler, pool_keys=pool.keys, pool_index=pool.index, n=pool.count,
+    def _select(self, pool, dictionary, queries, feats, m, step, which, sampler=None):
+        # the pool's capacity buffers and valid count: one GPU graph for every fill level;
+        # ``sampler``: another sampler on the same inputs and seed (a measurement's picks)
+        return select(sampler or self.sel.sampler, pool_keys=pool.keys, pool_index=pool.index, n=pool.count,
                       dict_index=dictionary.index, queries=queries, feats=feats, m=m,
                       tau_p=self.sel.tau_p, view=self.sel.grad_view,
                       seed=selection_seed(self.cfg.seed, step, which),

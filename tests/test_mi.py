@@ -354,6 +354,25 @@ def test_epoch_pools_are_drawn_at_each_epoch_start_by_the_current_key_encoders()
         mi.MIConfig(pool_mode="weekly")
 
 
+def trained_alike_measured_or_not(method, pairs, cfg, every=3):
+    """The histories of two runs, measured never and every ``every`` steps (KEY_COS_EVERY),
+    after asserting that they trained alike: losses, accuracies and weights bit for bit."""
+    runs = []
+    mp = pytest.MonkeyPatch()
+    try:
+        for e in (10**9, every):
+            mp.setattr(mi.train, "KEY_COS_EVERY", e)
+            runs.append(mi.train_one(method, pairs, cfg, seed=0))
+    finally:
+        mp.undo()
+    (m0, h0), (m1, h1) = runs
+    assert h0["loss"] == h1["loss"] and h0["acc"] == h1["acc"]
+    s0, s1 = m0.state_dict(), m1.state_dict()
+    assert all(torch.equal(s0[k], s1[k]) if torch.is_tensor(s0[k]) else s0[k] == s1[k]
+               for k in s0)
+    return h0, h1
+
+
 def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
     """The freshness of the enqueued keys is measured every KEY_COS_EVERY steps by encoding
     pairs again (shuffle-BN draws a permutation each time, and BN buffers move): the run must
@@ -362,19 +381,7 @@ def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
     cfg = mi.MIConfig(**{**mi.QUICK, "max_steps": 24, "min_steps": 24, "window": 6,
                          "pool_mode": "epoch"})
     assert cfg.bn_groups > 1  # the shuffled key encoders: the random state is used
-    runs = []
-    mp = pytest.MonkeyPatch()
-    try:
-        for every in (10**9, 3):
-            mp.setattr(mi.train, "KEY_COS_EVERY", every)
-            runs.append(mi.train_one("CM-ACC", pairs, cfg, seed=0))
-    finally:
-        mp.undo()
-    (m0, h0), (m1, h1) = runs
-    assert h0["loss"] == h1["loss"] and h0["acc"] == h1["acc"]
-    s0, s1 = m0.state_dict(), m1.state_dict()
-    assert all(torch.equal(s0[k], s1[k]) if torch.is_tensor(s0[k]) else s0[k] == s1[k]
-               for k in s0)
+    h0, h1 = trained_alike_measured_or_not("CM-ACC", pairs, cfg)
     assert all(math.isnan(c) for c in h0["key_cos"]) and math.isnan(h0["key_cos_2nd_half"])
     assert len(h1["key_cos"]) == 4 and all(-1 <= c <= 1 for c in h1["key_cos"])
     for k in mi.train.FRESHNESS:  # the selection's inputs and the fair pretext accuracy too
@@ -386,6 +393,11 @@ def test_measuring_the_keys_freshness_leaves_the_run_as_it_was():
     assert all(0 < c <= 1 for c in h1["post_entropy_rel"])
     assert all(c >= 1 for c in h1["d2_max_mean"] + h1["d2_max_mean_8"])
     assert h0["selection_diag_cpu_seconds"] == 0 < h1["selection_diag_cpu_seconds"]
+    for k in mi.train.HARD_KEYS:  # the picks' hardness: measured, the run unchanged
+        assert all(math.isnan(c) for c in h0[k]) and math.isnan(h0[f"{k}_2nd_half"])
+        assert len(h1[k]) == 4 and all(math.isfinite(c) for c in h1[k])
+    assert all(0 <= c <= 1 for c in h1["hard_acc_active"] + h1["hard_acc_uniform"])
+    assert h0["hardness_cpu_seconds"] == 0 < h1["hardness_cpu_seconds"]
 
 
 def _last_enqueued(model, m):

@@ -44,7 +44,14 @@ FIGURES = (("probe", "probe, held-out drawers"), ("probe_seen", "probe, seen dra
            ("post_entropy_rel_2nd_half", "pseudo-posterior entropy / log M, 2nd half"),
            ("gnorm_cv_2nd_half", "|g_n| coefficient of variation, 2nd half"),
            ("d2_cv_2nd_half", "D^2 weights after 1 centre, std/mean, 2nd half"),
-           ("d2_cv_8_2nd_half", "D^2 weights after 8 centres, std/mean, 2nd half"))
+           ("d2_cv_8_2nd_half", "D^2 weights after 8 centres, std/mean, 2nd half"),
+           ("hard_acc_active_2nd_half", "pretext accuracy, CM-ACC's picks, 2nd half"),
+           ("hard_acc_uniform_2nd_half", "pretext accuracy, uniform picks, 2nd half"),
+           ("hard_acc_gap_2nd_half", "pretext accuracy, CM-ACC's picks − uniform picks "
+                                     "(same queries), 2nd half"),
+           ("hard_loss_gap_2nd_half", "InfoNCE loss, CM-ACC's picks − uniform picks, 2nd half"),
+           ("hard_cos_max_gap_2nd_half", "closest negative's cosine, CM-ACC's − uniform, "
+                                         "2nd half"))
 
 
 def load_side(spec: str) -> tuple[dict, str, str]:

@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from data_dali.fileio import atomic_write_text
 
 from .data import (PAPER_ALPHABET_SIZES, PAPER_TRAIN_PAIRS, TRAIN_DRAWERS, Glyphs,
                    MultiOmniglotPairs, check_glyphs)
+from .partial import utc_now
 from .probe import probe_accuracy
 from .report import _floor_key, write_outputs
 from .train import (DEPARTURE_WHY, METHODS, PAPER_CONFIG, SAMPLERS, MIConfig, build_model,
@@ -281,14 +281,16 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
                     str(seed)] = v
             log(f"l={l} (MI {tr.mutual_information:.2f} nats) seed {seed} untrained: probe "
                 f"{floor['held_out']:.3f} (seen drawings {floor['seen']:.3f})")
-        started = utc_now()  # the run's own span: its training and its probe
-        model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None)
+        # a stopped run's state, written every window: the run continues from it
+        part = out / "partial" / f"{m}_l{l}_seed{seed}.pt"
+        model, hist = train_one(m, tr, cfg, seed, log=log if verbose else None,
+                                partial_path=part)
         t0 = time.perf_counter()
         acc = probe_accuracy(model, tr, tests, n_probe, tail)
         hist["probe_seconds"] = time.perf_counter() - t0
         # when it ran, so that "declared before any of these runs finished" can be checked
         # against the record (runs of older mi.json files lack these: "not recorded")
-        hist["started_utc"], hist["ended_utc"] = started, utc_now()
+        hist["ended_utc"] = utc_now()  # started_utc: train_one's, kept when it continues
         if selects(m):
             hist["pool_mult"], hist["pool_mode"] = cfg.pool_mult, cfg.pool_mode
             hist["tau_p"] = cfg.tau_p
@@ -302,16 +304,12 @@ def run(root, out, chars=(1, 2, 3, 4, 6, 8), cfg: MIConfig | None = None,
             f"{hist['acc'][-1]:.3f}, {hist['seconds']:.0f} s)")
         tick()
         save()  # each finished run is on disk at once: a stopped study keeps it
+        part.unlink(missing_ok=True)  # recorded: its partial state is no longer needed
     tick()
     results["complete"] = True
     save()
     write_outputs(results, out)
     return results
-
-
-def utc_now() -> str:
-    """The time now in UTC, ISO 8601 to the second: ``2026-11-27T21:57:03Z``."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def machine() -> dict:

@@ -8,6 +8,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,6 +19,7 @@ from cmacc.fill import fill_epoch_pools
 from cmacc.samplers import in_sorted, selection_seed
 from kernels import reference
 
+from . import partial
 from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
 from .nets import SmallCNN, augment
 
@@ -191,10 +193,14 @@ def encode_pairs(model: CMACC, pairs: MultiOmniglotPairs, index: torch.Tensor,
 
 
 @contextlib.contextmanager
-def _measurement(model: CMACC):
+def _measurement(model: CMACC, keys_only: bool = False):
     """A block that measures and leaves the run as it was: the random state (shuffle-BN draws
-    a permutation per encoding) and every encoder's BN buffers are restored after it."""
-    buffers = [b for enc in (model.f_v, model.f_a, model.h_v, model.h_a) for b in enc.buffers()]
+    a permutation per encoding) and every encoder's BN buffers are restored after it
+    (``keys_only``: the key encoders' only, for a block inside a step's forward, where the
+    query encoders' buffers are saved for the backward and only the key encoders may run)."""
+    encoders = (model.h_v, model.h_a) if keys_only else (model.f_v, model.f_a, model.h_v,
+                                                         model.h_a)
+    buffers = [b for enc in encoders for b in enc.buffers()]
     saved = [b.clone() for b in buffers]
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         yield
@@ -371,6 +377,104 @@ def measure_selections(model: CMACC, every: int) -> tuple[list, list]:
     return records, cpu
 
 
+# The same queries scored against two pick sets from the same pool at the same step, every
+# KEY_COS_EVERY steps of a run that selects (``measure_hardness``): CM-ACC's picks ("active")
+# and M uniform picks of the eligible candidates ("uniform", pool-random's draw), each as it
+# would be enqueued. Per figure: both sets and their difference (active − uniform, paired
+# within the measurement)
+HARDNESS = ("acc", "loss", "cos_mean", "cos_max")
+HARD_SETS = ("active", "uniform")
+HARD_KEYS = tuple(f"hard_{f}_{s}" for f in HARDNESS for s in (*HARD_SETS, "gap"))
+HARD_SAMPLER = {"active": "active", "uniform": "pool-random"}
+
+
+def pick_hardness(queries: torch.Tensor, positives: torch.Tensor, negatives: torch.Tensor,
+                  tau: float) -> dict[str, float]:
+    """How hard one set of negatives [m, d] is for queries [M, d] whose positives are [M, d]
+    (row j: query j's positive), as the loss scores them (``cmacc.model.contrastive_loss``,
+    the picks alone as the negatives):
+
+    acc       the fraction of queries whose positive scores above every negative (the pretext
+              accuracy; lower: harder)
+    loss      the InfoNCE loss, mean over the queries (higher: harder)
+    cos_mean  the mean cosine between a query and a negative
+    cos_max   the mean over queries of the cosine to its closest negative"""
+    q, neg = queries.float(), negatives.float()
+    l_neg = q @ neg.t()  # [M, m]
+    l_pos = (q * positives.float()).sum(1, keepdim=True)  # [M, 1]
+    logits = torch.cat([l_pos, l_neg], 1) / tau
+    target = torch.zeros(q.shape[0], dtype=torch.long)
+    return {"acc": float((logits.argmax(1) == 0).float().mean()),
+            "loss": float(torch.nn.functional.cross_entropy(logits, target)),
+            "cos_mean": float(l_neg.mean()), "cos_max": float(l_neg.max(1).values.mean())}
+
+
+def measure_hardness(model: CMACC, every: int) -> tuple[list, list, Callable[[], None]]:
+    """Wrap ``model._select`` so that every ``every``-th step (step + 1 divisible by it), after
+    a dictionary's selection, the step's queries (the selection's, of the other modality) are
+    scored by ``pick_hardness`` against CM-ACC's picks and against uniform picks from the
+    same pool minus the dictionary, each drawn as that sampler would draw it (the same seed)
+    and each as it would be enqueued (re-encoded with ``model.reencode``, as the run's own
+    picks are, under --fresh-picks); the positives are the batch's keys of the dictionary's
+    modality, as the loss's. The run's own sampler's picks are its selection's. The picks are
+    drawn at the selection; they are scored by ``score()``, to be called after the step's
+    forward, when the batch's keys are known (the key encoders may run after the selection).
+    A measurement only: the run trains as it would without it. Returns (records, cpu, score):
+    records gets (step, which, figures) with figures[set] = pick_hardness(...), cpu[0] the
+    CPU seconds it took."""
+    records, cpu, keys, pending = [], [0.0], [None], []
+    select, encode = model._select, model._encode_batch_keys
+
+    def encoded(video, audio):  # the batch's keys, the loss's positives: kept for score()
+        keys[0] = encode(video, audio)
+        return keys[0]
+
+    def measured(pool, dictionary, queries, feats, m, step, which):
+        sel = select(pool, dictionary, queries, feats, m, step, which)
+        if (step + 1) % every == 0:
+            c = time.process_time()
+            negatives = {}
+            with _measurement(model, keys_only=True):
+                for s in HARD_SETS:
+                    picks = (sel if HARD_SAMPLER[s] == model.sel.sampler else
+                             CMACC._select(model, pool, dictionary, queries, feats, m,
+                                           step, which, sampler=HARD_SAMPLER[s]))
+                    negatives[s] = (picks.keys if model.reencode is None else
+                                    model.reencode(picks.index, "video" if which == 0
+                                                   else "audio"))
+            pending.append((step, which, queries, negatives))
+            cpu[0] += time.process_time() - c
+        return sel
+
+    def score():
+        if not pending:
+            keys[0] = None
+            return
+        c = time.process_time()
+        for step, which, queries, negatives in pending:
+            positives = keys[0][2] if which == 0 else keys[0][3]  # k_v_all: D_v's, of q_a
+            records.append((step, which, {s: pick_hardness(queries, positives, neg,
+                                                           model.cfg.tau)
+                                          for s, neg in negatives.items()}))
+        pending.clear()
+        keys[0] = None
+        cpu[0] += time.process_time() - c
+
+    model._select, model._encode_batch_keys = measured, encoded
+    return records, cpu, score
+
+
+def hardness_figures(records: list) -> dict[str, float]:
+    """The mean of each HARD_KEYS figure over ``records`` (``measure_hardness``'s), the gap
+    being active − uniform per measurement; NaN where there is none."""
+    out = {}
+    for f in HARDNESS:
+        for s in HARD_SETS:
+            out[f"hard_{f}_{s}"] = _mean([r[s][f] for _, _, r in records])
+        out[f"hard_{f}_gap"] = _mean([r["active"][f] - r["uniform"][f] for _, _, r in records])
+    return out
+
+
 def character_diversity(pairs: MultiOmniglotPairs, index: torch.Tensor) -> dict[str, float]:
     """Diversity of the negatives one step enqueued (``index``: their pair indices), by the
     pairs' real characters, position by position: U_i = distinct characters at position i among
@@ -408,7 +512,7 @@ class PairsLoader:
 
 
 def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, *,
-              log=None) -> tuple[CMACC, dict]:
+              log=None, partial_path=None) -> tuple[CMACC, dict]:
     """Train to the loss's plateau (or ``cfg.max_steps``). Returns the model and its
     history: pretext accuracy, loss and the enqueued negatives' diversity
     (``character_diversity``, mean of the two dictionaries) per window, that diversity's mean
@@ -420,7 +524,12 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     (``enqueued_key_cosine``, ``freshness``) and, in a run that selects from a pool, what the
     selection sees (``selection_spread``: the posterior's entropy, the spread of the
     uncertainty factor and of the D^2 weights; selection_diag_cpu_seconds, part of
-    cpu_seconds). Measurements only: the run trains as it would without them."""
+    cpu_seconds) and how hard the step's queries find CM-ACC's picks against uniform picks of
+    the same pool (``measure_hardness``: HARD_KEYS; hardness_cpu_seconds, part of
+    cpu_seconds). Measurements only: the run trains as it would without them.
+
+    ``partial_path``: the run's state is written there at the end of every window, and a run
+    started with a file there continues from it (``partial``), bit for bit."""
     model = build_model(method, cfg, seed)
     if cfg.fresh_picks and selects(method):
         model.reencode = lambda index, which: encode_pairs(model, train, index, which)
@@ -432,7 +541,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     if cfg.pool_refresh and selects(method):
         model.fetch = lambda index: train.batch(index.cpu())
     hist = {"acc": [], "loss": [], "unique_per_m": [], "coverage": [], "key_cos": [],
-            **{k: [] for k in FRESHNESS}, **{k: [] for k in SELECTION_DIAG}, "steps": 0,
+            **{k: [] for k in FRESHNESS}, **{k: [] for k in SELECTION_DIAG},
+            **{k: [] for k in HARD_KEYS}, "steps": 0,
             "stop": "max_steps",
             **({"pool_draws": [], "pool_seconds": 0.0, "pool_cpu_seconds": 0.0}
                if epoch_pools else {})}
@@ -443,8 +553,28 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     # (step, dictionary, selection_spread(...)) every KEY_COS_EVERY steps, selecting runs only
     spread, spread_cpu = (measure_selections(model, KEY_COS_EVERY) if selects(method)
                           else ([], [0.0]))
-    t0, c0 = time.perf_counter(), time.process_time()
-    for step in range(cfg.max_steps):
+    # (step, dictionary, {set: pick_hardness(...)}) every KEY_COS_EVERY steps, selecting runs
+    hard, hard_cpu, score_hardness = (measure_hardness(model, KEY_COS_EVERY)
+                                      if selects(method) else ([], [0.0], lambda: None))
+    ident = partial.identity(method, seed, n, cfg)
+    start = 0
+    if (state := partial.load(partial_path, ident)) is not None:  # continue where it stopped
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        g.set_state(state["g"])
+        torch.set_rng_state(state["rng"])
+        start, perm, pos, hist, div = (state[k] for k in ("step", "perm", "pos", "hist", "div"))
+        for mine, saved in ((key_cos, "key_cos"), (fresh, "fresh"), (spread, "spread"),
+                            (hard, "hard")):
+            mine += state[saved]
+        spread_cpu[0], hard_cpu[0] = state["spread_cpu"], state["hard_cpu"]
+        if log:
+            log(f"  {method} continues at step {start} ({partial_path})")
+    else:  # the run's own span starts now (its probe's end closes it: the study)
+        hist["started_utc"] = partial.utc_now()
+    t0 = time.perf_counter() - (state["seconds"] if state else 0.0)
+    c0 = time.process_time() - (state["cpu_seconds"] if state else 0.0)
+    for step in range(start, cfg.max_steps):
         if pos + cfg.batch > n:  # epochs without replacement
             perm, pos = torch.randperm(n, generator=g), 0
         if epoch_pools and pos == 0:  # an epoch starts: N random pairs through the key encoders
@@ -463,6 +593,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
             kw = dict(video2=augment(x, g, shift=cfg.shift, noise=cfg.noise),
                       audio2=augment(y, g, shift=cfg.shift, noise=cfg.noise))
         loss, stats = model(x, y, idx, step=step, **kw)
+        score_hardness()  # the picks drawn in the step, against its queries and positives
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -485,6 +616,8 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
                 hist[k].append(_mean([f[k] for s, f in fresh if s > step - cfg.window]))
             for k in SELECTION_DIAG:  # both dictionaries' measurements in the window
                 hist[k].append(_mean([f[k] for s, _, f in spread if s > step - cfg.window]))
+            for k, v in hardness_figures([r for r in hard if r[0] > step - cfg.window]).items():
+                hist[k].append(v)
             acc_sum = loss_sum = 0.0
             if log:
                 log(f"  {method} step {step + 1}: pretext acc {hist['acc'][-1]:.3f} "
@@ -494,6 +627,14 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
                 hist["stop"] = "plateau"
                 hist["steps"] = step + 1
                 break
+            if partial_path is not None:  # the window is on disk: a stop loses at most one
+                partial.save(partial_path, ident, {
+                    "step": step + 1, "model": model.state_dict(), "opt": opt.state_dict(),
+                    "g": g.get_state(), "rng": torch.get_rng_state(), "perm": perm, "pos": pos,
+                    "hist": hist, "div": div, "key_cos": key_cos, "fresh": fresh,
+                    "spread": spread, "hard": hard, "spread_cpu": spread_cpu[0],
+                    "hard_cpu": hard_cpu[0], "seconds": time.perf_counter() - t0,
+                    "cpu_seconds": time.process_time() - c0})
     else:
         hist["steps"] = cfg.max_steps
     for k in DIVERSITY:  # the second half of the steps run: past the pool warm-up
@@ -505,6 +646,9 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     for k in SELECTION_DIAG:
         hist[f"{k}_2nd_half"] = _mean([f[k] for s, _, f in spread if s >= hist["steps"] // 2])
     hist["selection_diag_cpu_seconds"] = spread_cpu[0]  # a part of cpu_seconds
+    for k, v in hardness_figures([r for r in hard if r[0] >= hist["steps"] // 2]).items():
+        hist[f"{k}_2nd_half"] = v
+    hist["hardness_cpu_seconds"] = hard_cpu[0]  # a part of cpu_seconds
     hist["seconds"] = time.perf_counter() - t0
     hist["cpu_seconds"] = time.process_time() - c0
     return model, hist
