@@ -186,7 +186,8 @@ def train_run(args) -> str:
             last = list(csv.DictReader(f))[-1]
     return (f"`{' '.join(cmd[1:-4])}`: {float(last['clips_per_s']):.0f} clips/s/GPU, step "
             f"{1e3 * float(last['t_step']):.1f} ms, selection {1e3 * float(last['t_select']):.2f}"
-            f" ms total / {1e3 * float(last['t_select_visible']):.2f} ms visible, "
+            f" ms total / {1e3 * float(last['t_select_visible']):.2f} ms visible / "
+            f"{1e3 * float(last['t_select_alone']):.2f} ms alone (its SM time), "
             f"MFU {last['mfu']}")
 
 

@@ -18,6 +18,7 @@ One training iteration (``CMACC.forward``), for the global batch of M clips spli
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.nn as nn
@@ -110,6 +111,7 @@ class CMACC(nn.Module):
         # model's device: what the pool refresh (SelectionConfig.pool_refresh) re-encodes
         self.fetch = None
         self._stream = None  # CUDA side stream of the selection (created on first use)
+        self._last_select = None  # the last selecting step's inputs: time_selection_alone
         # this step's shuffle-BN generator, the same on every rank and after a resume (forward
         # and cmacc/fill.py set it; None: distributed.py's own)
         self.shuffle_gen = None
@@ -176,6 +178,7 @@ class CMACC(nn.Module):
             q_v_all, h_v_all = du.gather_cat(q_v.detach()), du.gather_cat(h_v.detach().float())
             q_a_all, h_a_all = du.gather_cat(q_a.detach()), du.gather_cat(h_a.detach().float())
             m = index_all.shape[0]
+            self._last_select = (q_a_all, h_a_all, q_v_all, h_v_all, m, step)
             # the selection needs only the queries and the pools: with overlap it is issued
             # before the key encoders, on CUDA on a side stream that runs while they do
             side = self._side_stream(q_v) if self.sel.overlap else None
@@ -263,6 +266,36 @@ class CMACC(nn.Module):
         k_v = self.encode_keys(self.h_v, video)  # [B, d]
         k_a = self.encode_keys(self.h_a, audio)
         return k_v, k_a, du.gather_cat(k_v), du.gather_cat(k_a)
+
+    @torch.no_grad()
+    def time_selection_alone(self) -> float:
+        """Seconds that the last selecting step's two selections take with nothing else
+        running: their device time alone, i.e. the SM time they take from a step (``t_select``
+        beside the key encoders is longer by its queueing; ``t_select_visible`` is what the
+        step waited). They run again on the same inputs and seeds, on their own stream, once
+        the device has finished its queued work: a host sync, for a log row, never inside a
+        step. The picks are discarded and nothing the run reads changes (the plan's output
+        buffers are rewritten before their next use). 0.0 if no step has selected yet."""
+        if self._last_select is None:
+            return 0.0
+        q_a, h_a, q_v, h_v, m, step = self._last_select
+
+        def both():
+            self._select(self.pool_v, self.dict_v, q_a, h_a, m, step, 0)
+            self._select(self.pool_a, self.dict_a, q_v, h_v, m, step, 1)
+
+        if not q_v.is_cuda:
+            t = time.perf_counter()
+            both()
+            return time.perf_counter() - t
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        torch.cuda.synchronize(q_v.device)
+        with _on(self._side_stream(q_v) if self.sel.overlap else None):
+            start.record()
+            both()
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def _side_stream(self, like: torch.Tensor):
         """The CUDA stream the selection runs on (created once), or None off CUDA."""

@@ -48,6 +48,10 @@ class StepMetrics:
     # of t_step, seconds per step re-encoding the pools (--pool-refresh; 0: none). Last, so a
     # metrics.csv of an older version only gains a column (_upgrade_header) when it resumes
     t_refresh: float = 0.0
+    # seconds one step's selections take alone on the device (model.time_selection_alone, once
+    # a row, where they overlap the key encoders; in line it is t_select): the SM time they
+    # take from a step. Last, as t_refresh
+    t_select_alone: float = 0.0
 
 
 FIELDS = [f.name for f in dataclasses.fields(StepMetrics)]
@@ -175,10 +179,12 @@ class RunLogger:
             where += f"/{self.total} ({100 * m.step / self.total:.0f}%, eta {left})"
         log.info("step %s | loss %.4f | acc %.3f | uniq/M %.3f cov %.3f | gnorm %.3g | lr %.2e | "
                  "%.1f clips/s/rank | data %.1f ms (%.0f%% of the time waiting), step %.1f ms "
-                 "(of it refresh %.1f ms), select %.2f ms (%.2f visible) | mfu %s", where, m.loss,
+                 "(of it refresh %.1f ms), select %.2f ms (%.2f visible, %.2f alone) | mfu %s", where,
+                 m.loss,
                  m.acc, m.unique_per_m, m.coverage, m.gnorm, m.lr,
                  m.clips_per_s, 1e3 * m.t_data, 100 * m.data_wait, 1e3 * m.t_step,
                  1e3 * m.t_refresh, 1e3 * m.t_select, 1e3 * m.t_select_visible,
+                 1e3 * m.t_select_alone,
                  f"{m.mfu:.3g}" if math.isfinite(m.mfu) else "n/a")
 
     def close(self):

@@ -576,6 +576,15 @@ class Trainer(RunFolder):
         e.step = step  # the steps applied before it
         raise e
 
+    def _selection_alone(self, secs: dict, n: int) -> float:
+        """Seconds one step's selections take alone on the device, for a log row: where they
+        overlap the key encoders (a CUDA side stream) they run again once, alone
+        (``CMACC.time_selection_alone``: after the row's sync and its wall time, outside
+        every step); in line they ran alone already: t_select."""
+        if not (self.device.type == "cuda" and self.model.sel.overlap):
+            return secs.get("select", 0.0) / n
+        return self.model.time_selection_alone()
+
     def _log_interval(self, stats, reset: bool = True):
         """One metrics row; with the non-finite check, the only host syncs of the loop."""
         cfg, n = self.cfg, self.means.count
@@ -585,6 +594,7 @@ class Trainer(RunFolder):
         du.verify_ranks_agree(self.model, self.chash, self.last_enq, self.step)
         secs = self.timer.collect()
         wall = time.perf_counter() - self.t0
+        alone = self._selection_alone(secs, n)
         clips_s = n * cfg.model.batch_size / wall / self.world
         dev = self.device
         self.logger.write(StepMetrics(
@@ -597,6 +607,7 @@ class Trainer(RunFolder):
             t_refresh=secs.get("refresh", 0.0) / n,  # (model.refresh_pools, within t_step)
             # the step's wait for the selection, at most all of it (docs/ARCHITECTURE.md)
             t_select_visible=min(secs.get("select_visible", 0.0), secs.get("select", 0.0)) / n,
+            t_select_alone=alone,
             mfu=(self.flops_clip * clips_s / self.peak) if (self.peak and self.flops_clip)
             else float("nan"),
             mem_gb=(torch.cuda.max_memory_allocated(dev) / 2**30) if dev.type == "cuda"

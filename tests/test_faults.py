@@ -22,7 +22,7 @@ from cmacc.model import CMACC
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--clips", "96", "--classes", "6", "--log-every", "2"]
 TIMING = {"clips_per_s", "t_data", "t_step", "t_select", "t_select_visible", "mfu", "mem_gb",
-          "data_wait", "t_refresh"}
+          "data_wait", "t_refresh", "t_select_alone"}
 
 
 def _rows(out):

@@ -309,6 +309,40 @@ def test_active_model_enqueues_selected_pool_keys_before_the_loss():
     assert model.pool_v.count == 30 and n_active == 4  # warm-up: 4 steps fill 14 >= K + M
 
 
+def test_the_selection_timed_alone_is_the_steps_own_and_changes_nothing():
+    """``time_selection_alone`` (a log row's SM time of the selection) runs the last selecting
+    step's two selections again: 0 before any step selected; after, a positive time, spent in
+    exactly two selections with that step's queries, features and seeds (recorded here); and
+    the model goes on bit for bit as a twin never timed (losses, picks, every buffer)."""
+    torch.manual_seed(0)
+    timed = CMACC(*tiny_cfg(sampler="active", pool_size=30))
+    twin = CMACC(*tiny_cfg(sampler="active", pool_size=30))
+    twin.load_state_dict(timed.state_dict())
+    calls, real = [], timed._select
+
+    def spy(pool, dictionary, queries, feats, m, step, which, sampler=None):
+        calls.append((queries, feats, m, step, which))
+        return real(pool, dictionary, queries, feats, m, step, which, sampler)
+
+    timed._select = spy
+    assert timed.time_selection_alone() == 0.0 and not calls
+    for step in range(8):
+        v, a, idx = tiny_batch(seed=step)
+        outs = [mdl(v, a, idx, step=step) for mdl in (timed, twin)]
+        (l0, s0), (l1, s1) = outs
+        assert torch.equal(l0, l1) and torch.equal(s0["enq_index_v"], s1["enq_index_v"])
+        if s0["active"]:
+            step_calls = calls[-2:]
+            assert timed.time_selection_alone() > 0
+            again = calls[-2:]
+            assert len(calls) == 2 * (step - 3) + 2 * (step - 3)  # 2 in the step, 2 timed
+            for (q0, f0, *r0), (q1, f1, *r1) in zip(step_calls, again):
+                assert r0 == r1 and q0 is q1 and f0 is f1  # the step's own inputs and seeds
+        st0, st1 = timed.state_dict(), twin.state_dict()
+        assert all(torch.equal(st0[k], st1[k]) if torch.is_tensor(st0[k]) else st0[k] == st1[k]
+                   for k in st0)
+
+
 class _Clips:
     """Clips by dataset index (tiny_batch's shapes), as CMACC.fetch reads them; records what
     was fetched."""

@@ -32,6 +32,8 @@ def test_short_run_learns(tmp_path):
     # they are equal)
     assert all(0 <= float(r["t_select_visible"]) <= float(r["t_select"]) for r in rows)
     assert float(rows[-1]["t_select_visible"]) == pytest.approx(float(rows[-1]["t_select"]))
+    # in line the selection ran alone: its time alone (the SM time it takes) is t_select
+    assert all(r["t_select_alone"] == r["t_select"] for r in rows)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 60 and (out / "metrics.png").exists()
     waits = [float(r["data_wait"]) for r in rows]  # share of wall time spent waiting for data
@@ -70,14 +72,14 @@ def test_a_pool_refresh_run_resumes_as_if_uninterrupted(tmp_path):
 
 def test_the_pool_refresh_has_its_own_time_in_the_log_and_metrics(tmp_path, capsys):
     """Issue 51: --pool-refresh made a step ~10x slower and the log filed it all under "step";
-    the refresh's own time (``refresh_pools``, within t_step) is metrics.csv's last column,
-    t_refresh (seconds per step, as the other t_ columns), and the log line shows it in ms."""
+    the refresh's own time (``refresh_pools``, within t_step) is a column of metrics.csv's
+    own, t_refresh (seconds per step, as the other t_ columns), and the log line shows it in ms."""
     out = tmp_path / "run"
     train.main(FAST + ["--sampler", "pool-random", "--pool-refresh", "2", "--steps", "6",
                        "--out", str(out)])
     err = capsys.readouterr().err
     rows = _rows(out)  # one a step (--log-every 1); the pool is full, and refreshed, from step 4
-    assert list(rows[0])[-1] == "t_refresh"
+    assert list(rows[0])[-2:] == ["t_refresh", "t_select_alone"]  # older columns first
     assert [float(r["t_refresh"]) > 0 for r in rows] == [False] * 3 + [True] * 3, rows
     assert all(float(r["t_refresh"]) <= float(r["t_step"]) for r in rows)
     lines = [line for line in err.splitlines() if "(of it refresh " in line]
@@ -103,7 +105,8 @@ def test_a_metrics_csv_without_t_refresh_resumes_and_plots(tmp_path):
         w.writerows(rows)
     train.main(FAST + ["--steps", "4", "--out", str(out)])
     after = _rows(out)
-    assert [r["step"] for r in after] == ["1", "2", "3", "4"] and list(after[0])[-1] == "t_refresh"
+    assert [r["step"] for r in after] == ["1", "2", "3", "4"]
+    assert list(after[0])[-2:] == ["t_refresh", "t_select_alone"]
     assert [r["t_refresh"] for r in after[:2]] == ["", ""] and float(after[-1]["t_refresh"]) == 0
     assert [r["loss"] for r in after[:2]] == [r["loss"] for r in rows[:2]]
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
