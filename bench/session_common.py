@@ -142,8 +142,10 @@ def trainer_run(sz: Sizes, sampler: str, *, timed: int, compile: bool = False,
     """One run of the trainer at the session's preset: ``sz.warm`` warm-up steps, then
     ``timed`` (+ ``extra_steps``, unaveraged) steps, metrics rows every ``sz.warm`` steps.
     Hooks: at the model's first forward the pools are filled (``fill_pools``, selecting samplers)
-    and ``on_step()`` is called at the start of every forward; the run saves no checkpoint. The
+    and ``on_step()`` is called at the start of every forward; the run saves no checkpoint and
+    draws no metrics.png (its folder is thrown away: a second or two of matplotlib a run). The
     figures are the means of the trainer's metrics rows after the warm-up."""
+    from cmacc import runlog
     from cmacc.config import PRESETS
     from cmacc.model import CMACC
     from cmacc.trainer import Trainer
@@ -172,11 +174,13 @@ def trainer_run(sz: Sizes, sampler: str, *, timed: int, compile: bool = False,
         trainer = Trainer(cfg)
         if hasattr(trainer, "save"):  # no checkpoint (~0.7 GB at the paper preset) per run
             trainer.save = lambda reason: None
+        plot, runlog.plot_metrics = runlog.plot_metrics, lambda *_a, **_k: None
         t0 = time.perf_counter()
         try:
             trainer.run()
         finally:
             handle.remove()
+            runlog.plot_metrics = plot
         wall = time.perf_counter() - t0
         if not model_seen:
             raise PartFailed("the trainer ran no forward of a cmacc.model.CMACC: the pool-filling "
@@ -198,6 +202,7 @@ def trainer_run(sz: Sizes, sampler: str, *, timed: int, compile: bool = False,
                 data_wait=_mean(timed_rows, "data_wait"),
                 select_ms=1e3 * _mean(timed_rows, "t_select"),
                 visible_ms=1e3 * _mean(timed_rows, "t_select_visible"),
+                alone_ms=1e3 * _mean(timed_rows, "t_select_alone"),  # its SM time
                 clips_per_s=clips_s, mfu=_mean(timed_rows, "mfu"),
                 active=_mean(timed_rows, "active"), mem_gib=_mean(timed_rows, "mem_gb"),
                 warm_s=(sz.warm * m / warm_rows[0]["clips_per_s"]

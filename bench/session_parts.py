@@ -110,7 +110,8 @@ def part_pairs(args, report) -> dict:
 def _short(r) -> str:
     return (f"step {r['step_ms']:.1f} ms, iteration {r['iter_ms']:.1f} ms, data "
             f"{r['data_ms']:.1f} ms ({r['data_wait']:.3f} of the wall), selection "
-            f"{r['select_ms']:.2f} / {r['visible_ms']:.2f} ms visible, {r['clips_per_s']:.1f} "
+            f"{r['select_ms']:.2f} / {r['visible_ms']:.2f} ms visible / {r['alone_ms']:.2f} ms "
+            f"alone, {r['clips_per_s']:.1f} "
             f"clips/s, MFU {r['mfu']:.3f}")
 
 
@@ -522,7 +523,8 @@ def part_select(args, report) -> dict:
         return main_ms, side_ms, both, host
 
     def median(fn):
-        fn()  # warm-up (compile, capture, cuDNN)
+        if cuda:  # warm-up (compile, capture, cuDNN); the dry run's interpreter has none
+            fn()
         vals = [fn() for _ in range(sz.overlap_reps)]
         return [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(4)]
 

@@ -121,15 +121,35 @@ def record_selection(n=38400, m=128, d=128, dh=512, k=128, *, view="head", preci
     return calls
 
 
-def _bind(fn, args, kwargs, target):
-    """One recorded launch through Triton's runtime binder (its specialisation rules): the
-    source to compile and its options."""
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+_BINDERS = {}  # (jit function, target): (backend, binder), built once as the runtime does
 
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
+
+def _binder(fn, target):
+    if (fn, target) not in _BINDERS:
+        from triton.compiler import make_backend
+        from triton.runtime.jit import create_function_from_signature
+
+        backend = make_backend(target)
+        _BINDERS[fn, target] = backend, create_function_from_signature(fn.signature, fn.params,
+                                                                       backend)
+    return _BINDERS[fn, target]
+
+
+def _bind(fn, args, kwargs, target, seen=None):
+    """One recorded launch through Triton's runtime binder (its specialisation rules): the
+    source to compile and its options. ``seen`` (a set): the runtime's kernel-cache keys
+    (function, specialisation, options) bound so far; a launch whose key is in it is one the
+    runtime would not compile again (the per-step k-means++ launches: thousands a selection at
+    M = 4,096) and returns None."""
+    from triton.compiler import ASTSource
+
+    backend, binder = _binder(fn, target)
     bound, specialization, options = binder(*args, **kwargs)
+    if seen is not None:
+        key = (fn, tuple(specialization), str(options))  # jit.py compute_cache_key's input
+        if key in seen:
+            return None
+        seen.add(key)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
                                                           specialization, options)
     return ASTSource(fn, signature, constexprs, attrs), options, signature, constexprs
@@ -185,7 +205,7 @@ def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
     from triton.backends.compiler import GPUTarget
 
     target = GPUTarget("cuda", arch, 32)
-    seen, out = set(), []
+    seen, bound, out = set(), set(), []
     for m in ms:
         for view in views:
             for prec in precisions:
@@ -196,7 +216,10 @@ def compile_selection(arch=90, *, n=38400, ms=(128,), d=128, dh=512,
                                                  factors=fac, variant=var,
                                                  sms=SMS.get(arch, 132))
                         for fn, args, kwargs in calls:
-                            src, options, _, consts = _bind(fn, args, kwargs, target)
+                            got = _bind(fn, args, kwargs, target, bound)
+                            if got is None:  # a launch the runtime's cache already holds
+                                continue
+                            src, options, _, consts = got
                             key = (src.hash(), repr(sorted(options.__dict__.items())))
                             if key in seen:
                                 continue

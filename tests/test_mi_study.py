@@ -13,7 +13,11 @@ import pytest
 
 from cmacc.apps import mi
 
-QUICK_ARGS = ["--quick", "--chars", "1", "3", "--seeds", "0", "--sampler-chars", "3"]
+# --quick, shorter: 40 steps (two windows of 20: the curves and the second-half figures have
+# rows; the active samplers select from step 5) and the probe fit on 1,000 pairs, not 2,000;
+# what these tests check is the study's bookkeeping and report, not how good its figures are
+SHORT = ["--quick", "--max-steps", "40", "--probe-pairs", "1000"]
+QUICK_ARGS = [*SHORT, "--chars", "1", "3", "--seeds", "0", "--sampler-chars", "3"]
 
 
 def test_quick_end_to_end_on_generated_glyphs(tmp_path):
@@ -78,7 +82,7 @@ def test_a_stopped_study_resumes_and_its_partial_figures_report(tmp_path, capsys
     except the pool, a setting of the active sampler's runs only (those train again); --report-
     only renders a partial mi.json, saying it is partial."""
     glyphs, out = str(tmp_path / "g"), tmp_path / "mi"
-    base = ["--make-glyphs", glyphs, "--quick", "--chars", "1", "--samplers", "--out", str(out)]
+    base = ["--make-glyphs", glyphs, *SHORT, "--chars", "1", "--samplers", "--out", str(out)]
     assert mi.main([*base, "--seeds", "0"]) == 0
     said = capsys.readouterr().out  # progress with the total, in a log that is not a terminal
     for i in (1, 2, 3):
@@ -301,7 +305,7 @@ def test_each_run_records_its_utc_start_and_end_and_the_report_prints_them(tmp_p
 
     out = tmp_path / "mi"
     before = datetime.now(timezone.utc).replace(microsecond=0)
-    assert mi.main(["--make-glyphs", str(tmp_path / "g"), "--quick", "--chars", "1",
+    assert mi.main(["--make-glyphs", str(tmp_path / "g"), *SHORT, "--chars", "1",
                     "--seeds", "0", "1", "--methods", "XMoCo", "--out", str(out)]) == 0
     after = datetime.now(timezone.utc)
     res = json.loads((out / "mi.json").read_text())

@@ -133,11 +133,14 @@ def test_pool_refresh_reads_the_clips_the_loader_reads(tiny_prepared):
 def test_a_compiled_run_resumes_uncompiled_and_evaluates(tmp_path):
     """--compile (CPU inductor here) compiles the backbones in place: the checkpoint's keys are
     the uncompiled model's, so the run resumes without --compile (and the reverse) and
-    cmacc.apps.eval reads it."""
+    cmacc.apps.eval reads it. (One residual stage a backbone: inductor's C++ build is per
+    kernel, 16 here against 47 at the tiny preset's four; the stem, a residual block with its
+    batch norms, forward and backward, compile and load as at any depth.)"""
     from cmacc.apps import eval as ev
 
     out = tmp_path / "run"
-    small = ["--preset", "tiny", "--clips", "48", "--classes", "4", "--log-every", "1"]
+    small = ["--preset", "tiny", "--clips", "48", "--classes", "4", "--log-every", "1",
+             "--video-layers", "1", "--audio-layers", "1"]
     train.main(small + ["--steps", "2", "--compile", "--out", str(out)])
     plain = ckpt.load(out / "ckpt_00000002.pt")["model"]
     assert not [k for k in plain if "_orig_mod" in k]
