@@ -19,7 +19,8 @@ from cmacc.fill import fill_epoch_pools
 from cmacc.samplers import in_sorted, selection_seed
 from kernels import reference
 
-from . import partial
+from .partial import identity as partial_identity, load as load_partial, save as save_partial
+from .partial import utc_now
 from .data import PAPER_TRAIN_PAIRS, MultiOmniglotPairs
 from .nets import SmallCNN, augment
 
@@ -529,7 +530,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     cpu_seconds). Measurements only: the run trains as it would without them.
 
     ``partial_path``: the run's state is written there at the end of every window, and a run
-    started with a file there continues from it (``partial``), bit for bit."""
+    started with a file there continues from it (``cmacc.apps.mi.partial``), bit for bit."""
     model = build_model(method, cfg, seed)
     if cfg.fresh_picks and selects(method):
         model.reencode = lambda index, which: encode_pairs(model, train, index, which)
@@ -556,9 +557,9 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
     # (step, dictionary, {set: pick_hardness(...)}) every KEY_COS_EVERY steps, selecting runs
     hard, hard_cpu, score_hardness = (measure_hardness(model, KEY_COS_EVERY)
                                       if selects(method) else ([], [0.0], lambda: None))
-    ident = partial.identity(method, seed, n, cfg)
+    ident = partial_identity(method, seed, n, cfg)
     start = 0
-    if (state := partial.load(partial_path, ident)) is not None:  # continue where it stopped
+    if (state := load_partial(partial_path, ident)) is not None:  # continue where it stopped
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         g.set_state(state["g"])
@@ -571,7 +572,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
         if log:
             log(f"  {method} continues at step {start} ({partial_path})")
     else:  # the run's own span starts now (its probe's end closes it: the study)
-        hist["started_utc"] = partial.utc_now()
+        hist["started_utc"] = utc_now()
     t0 = time.perf_counter() - (state["seconds"] if state else 0.0)
     c0 = time.process_time() - (state["cpu_seconds"] if state else 0.0)
     for step in range(start, cfg.max_steps):
@@ -628,7 +629,7 @@ def train_one(method: str, train: MultiOmniglotPairs, cfg: MIConfig, seed: int, 
                 hist["steps"] = step + 1
                 break
             if partial_path is not None:  # the window is on disk: a stop loses at most one
-                partial.save(partial_path, ident, {
+                save_partial(partial_path, ident, {
                     "step": step + 1, "model": model.state_dict(), "opt": opt.state_dict(),
                     "g": g.get_state(), "rng": torch.get_rng_state(), "perm": perm, "pos": pos,
                     "hist": hist, "div": div, "key_cos": key_cos, "fresh": fresh,
