@@ -6,11 +6,12 @@ majority class, and what a clip property such as silent audio scores alone)."""
 from __future__ import annotations
 
 import logging
-import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from data_dali.cli import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +25,9 @@ def extract_features(backbone: nn.Module, batches, key: str, device, clips: int 
     was_training = backbone.training
     backbone.eval()
     sums, counts, labels = {}, {}, {}
-    from tqdm import tqdm
-
     for p in range(clips):
-        for batch in tqdm(batches(p), desc=f"features (clip pass {p + 1}/{clips})", leave=False,
-                          disable=not sys.stderr.isatty()):
+        for batch in progress_bar(batches(p), desc=f"features (clip pass {p + 1}/{clips})",
+                                  leave=False):
             f = backbone(batch[key].to(device)).float().cpu()  # [B, c]
             for i, lab, row in zip(batch["index"].tolist(), batch["label"].tolist(), f):
                 s = sums.get(i)
@@ -115,9 +114,7 @@ def finetune(backbone: nn.Module, feat_dim: int, num_classes: int, train_batches
     params = list(backbone.parameters()) + list(head.parameters())
     opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
     backbone.train()
-    from tqdm import tqdm
-
-    for epoch in tqdm(range(epochs), desc="fine-tuning", disable=not sys.stderr.isatty()):
+    for epoch in progress_bar(range(epochs), desc="fine-tuning"):
         for batch in train_batches(epoch):
             logits = head(backbone(batch[key].to(device)))
             loss = F.cross_entropy(logits.float(), batch["label"].to(device))

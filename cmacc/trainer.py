@@ -38,7 +38,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from data_dali.cli import Interrupted, say_error
+from data_dali.cli import Interrupted, progress_bar, say_error
 from data_dali.fileio import write_failure
 
 from . import amp
@@ -407,14 +406,12 @@ class Trainer(RunFolder):
             self.bad_total = bad.share(0)  # (until the first step's record: the earlier ones)
             self.logger.counters["bad_clips"] = lambda: float(self.bad_total)
         if self.rank == 0:
-            from tqdm import tqdm
-
             log.info("%s | run %s | %s | world %d | M=%d K=%d N=%d | amp %s | out %s", model.method,
                      self.run_id, self.device, self.world, cfg.model.batch_size,
                      cfg.model.dict_size, cfg.selection.pool_size, cfg.optim.amp, self.out)
             self._warn_selection()
-            self.bar = tqdm(total=cfg.run.steps, initial=self.step, desc=model.method,
-                            dynamic_ncols=True, disable=not sys.stderr.isatty())
+            self.bar = progress_bar(total=cfg.run.steps, initial=self.step, desc=model.method,
+                                    dynamic_ncols=True)
         self.t0, self.waited = time.perf_counter(), 0.0
 
     def _warn_selection(self) -> None:

@@ -259,6 +259,36 @@ class ProgressLog:
                           100 * done / self.total, eta(self.total - done, done, now - self.t0))
 
 
+class _NoBar:
+    """What ``progress_bar`` returns off a terminal: a bar's calls, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress_bar(iterable=None, enabled: bool = True, **kw):
+    """A tqdm bar where stderr is a terminal (and ``enabled``); elsewhere ``iterable`` itself,
+    or (without one) a bar that does nothing. Without tqdm's monitor thread: tqdm starts it with
+    its first bar, even a disabled one, and keeps it for the life of the process, and a process
+    forked later (a loader worker, a test's ranks) can copy tqdm's lock while that thread holds
+    it, then wait on it forever. (The monitor only redraws a bar whose updates slowed down.)"""
+    if not (enabled and sys.stderr.isatty()):
+        return _NoBar() if iterable is None else iterable
+    from tqdm import tqdm
+
+    tqdm.monitor_interval = 0
+    return tqdm(iterable, **kw)
+
+
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is when a record is emitted (test runners swap it)."""
 

@@ -1,13 +1,19 @@
 """Run a function on a few CPU ranks in forked processes, under torchrun's environment variables
 (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK): what ranks must agree on, tested in seconds
-without torchrun's start-up. Each rank returns ("ok", value) or ("error", "Type: line")."""
+without torchrun's start-up. Each rank returns ("ok", value) or ("error", "Type: line"); a rank
+that returns nothing within the timeout fails the test with its stack. Ranks are never forked
+beside another live thread (a fork would copy the locks it holds)."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import random
 import socket
+import tempfile
+import threading
 
 
 def _free_port() -> int:
@@ -27,7 +33,8 @@ def _free_port() -> int:
     raise RuntimeError(f"no free port in {base}..{base + 999}")
 
 
-def _child(fn, rank, world, env, queue):
+def _child(fn, rank, world, env, queue, dump, timeout):
+    faulthandler.dump_traceback_later(timeout, file=open(dump, "w"))  # a rank that hangs says where
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     try:
         res = ("ok", fn(rank))
@@ -60,20 +67,36 @@ def run_ranks(fn, world: int = 2, timeout: float = 60, env: dict | None = None) 
 
 
 def _run_ranks(fn, world, timeout, env) -> list:
+    # a fork copies the locks that other threads hold at that moment, held, with no thread to
+    # release them: a rank then waits forever on the first one it takes (tqdm's, once)
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    assert not others, f"forking ranks beside live threads {others}: they could hang; end them first"
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     env = dict(env or {}, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    procs = [ctx.Process(target=_child, args=(fn, r, world, env, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world):
-            rank, res = queue.get(timeout=timeout)
-            out[rank] = res
-    finally:
+    with tempfile.TemporaryDirectory() as tmp:
+        dumps = [os.path.join(tmp, f"rank{r}.txt") for r in range(world)]
+        dump_at = max(timeout - 2, timeout / 2)
+        procs = [ctx.Process(target=_child, args=(fn, r, world, env, queue, dumps[r], dump_at))
+                 for r in range(world)]
         for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        out = {}
+        try:
+            for _ in range(world):
+                rank, res = queue.get(timeout=timeout)
+                out[rank] = res
+        except queue_mod.Empty:  # (each rank's stacks were written at dump_at)
+            for r, p in enumerate(procs):
+                if r not in out:
+                    p.kill()
+            stacks = "\n".join(f"rank {r}:\n{open(d).read()}" for r, d in enumerate(dumps)
+                               if r not in out)
+            raise AssertionError(f"ranks {sorted(set(range(world)) - set(out))} gave no result in "
+                                 f"{timeout:g} s; where they were:\n{stacks}") from None
+        finally:
+            for p in procs:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
     return [out[r] for r in range(world)]

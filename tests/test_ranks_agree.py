@@ -275,3 +275,16 @@ def test_only_rank_0_reads_run_json_and_no_rank_keeps_the_loaded_checkpoint(tmp_
         return t.step, bool(loaded), all(seen)
 
     assert run_ranks(rank_fn) == [("ok", (4, True, True))] * 2
+
+
+def test_a_rank_that_hangs_is_reported_with_where_it_waits():
+    """run_ranks (this suite's harness) names the rank that gave no result and its stack."""
+
+    def rank_fn(rank):
+        if rank == 1:
+            time.sleep(30)  # the line the report must name
+        return rank
+
+    with pytest.raises(AssertionError, match=r"(?s)ranks \[1\] gave no result in 4 s.*rank 1:.*"
+                                             r"in rank_fn"):
+        run_ranks(rank_fn, timeout=4)

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..cli import (ArgumentParser, ProgressLog, command, ignore_interrupts, output_folder,
-                   prog_name, setup_logging)
+                   progress_bar, prog_name, setup_logging)
 from ..fileio import atomic_write_bytes, sweep_temporaries
 from ..manifest import FIELDS as _MANIFEST_FIELDS
 from ..manifest import UNLABELED, clip_properties, note_kind
@@ -140,14 +140,12 @@ def _record_src(src: Path, out: Path) -> None:
 
 def _run(jobs: list, workers, progress: bool) -> list:
     """``_job`` over ``jobs`` in ``workers`` processes (default: all cores), with a progress bar."""
-    from tqdm import tqdm
-
     workers = max(1, min(len(jobs), workers or os.cpu_count() or 1))
     results = []
     # a log that is not a terminal gets progress lines with the total and an ETA instead
     lines = ProgressLog(log, "prepare:", len(jobs), " files",
                         enabled=progress and not sys.stderr.isatty())
-    with tqdm(total=len(jobs), desc="prepare", unit="file", disable=None if progress else True) as bar:
+    with progress_bar(total=len(jobs), enabled=progress, desc="prepare", unit="file") as bar:
         if workers > 1:
             import multiprocessing as mp
 
