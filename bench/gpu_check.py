@@ -86,11 +86,16 @@ def _pool(n, m, d, dh, g, device="cuda"):
     return keys, queries, torch.randn(m, dh, generator=g).to(device)  # feats [M, d_h]
 
 
-def _time_settings(n, m, pool, view, settings, agree: bool, timer=None) -> list[dict]:
-    """One row per (precision, factors, k-means++) setting: the median ms of a bound plan's
+def _time_settings(n, m, pool, view, settings, agree: bool, timer=None,
+                   on_row=None) -> list[dict]:
+    """One row per (precision, factors, k-means++) setting: the variant that ran (``ran``: a
+    resident plan whose pool does not fit on chip runs steps), the median ms of a bound plan's
     replay (``timer(fn)`` -> ms; default ``triton.testing.do_bench``'s median), and
-    (``agree``) its picks against the first setting's (same seed). The plans live on the pool's
-    device (the Triton interpreter's CPU tensors too: bench/gpu_session.py --dry-run)."""
+    (``agree``) its picks against those of the first setting with the same factor dtype
+    (``base``; same seed: equal picks are exact agreement, not bf16 rounding against fp32).
+    ``on_row(rows)`` after each row (a part's report: a timeout keeps the rows so far). The
+    plans live on the pool's device (the Triton interpreter's CPU tensors too:
+    bench/gpu_session.py --dry-run)."""
     from triton.testing import do_bench
 
     from kernels import triton_select as ts
@@ -99,18 +104,20 @@ def _time_settings(n, m, pool, view, settings, agree: bool, timer=None) -> list[
 
     keys, queries, feats = pool
     d, dh, k = keys.shape[1], feats.shape[1], m
-    rows, base = [], None
+    rows, bases = [], {}  # factor dtype -> (setting, picks) of its first row
     for prec, fac, var in settings:
         row = dict(M=m, N=n, view=view, precision=prec, factors=fac, kmeans=var)
         try:
             plan = ts.SelectPlan(n, m, d, dh, k, view=view, tau=1.0, precision=prec,
                                  factors=fac, variant=var, device=keys.device, keys_buffer=keys)
+            row["ran"] = plan.variant
             run = lambda: plan.run(keys, n, queries, feats, None, 7)  # noqa: E731
-            picks = run()
+            picks = run().clone()
             row["ms"] = timer(run)
             row["captures"] = plan.captures
             if agree:
-                base = picks if base is None else base
+                name, base = bases.setdefault(fac, (f"{prec}/{fac}/{plan.variant}", picks))
+                row["base"] = name
                 row["same_picks_vs_first"] = float((picks == base).float().mean())
                 row["same_set_vs_first"] = len(set(picks.tolist()) & set(base.tolist())) / k
             del plan
@@ -118,6 +125,8 @@ def _time_settings(n, m, pool, view, settings, agree: bool, timer=None) -> list[
             row["error"] = first_line(e)
         rows.append(row)
         print(row, flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -222,14 +231,15 @@ def sweep_table(rows: list[dict]) -> str:
              "`triton.testing.do_bench`, ms; bound plan replayed from one CUDA graph; k-means++ "
              "`lazy` = `--select-impl lazy`):", "",
              "| M | N | view | precision | factors | k-means++ | ms | same picks / same set vs "
-             "first row of its M, N |", "|---:|---:|---|---|---|---|---:|---|"]
+             "the first row of its M, N and factors |", "|---:|---:|---|---|---|---|---:|---|"]
     for r in rows:
         agree = (f"{r['same_picks_vs_first']:.3f} / {r['same_set_vs_first']:.3f}"
                  if "same_picks_vs_first" in r else "")
         ms = f"{r['ms']:.3f}" if "ms" in r else f"failed: {r.get('error', '?')}"
+        ran = r.get("ran", r["kmeans"])  # (a resident plan whose pool does not fit runs steps)
+        kmeans = r["kmeans"] if ran == r["kmeans"] else f"{r['kmeans']} (ran {ran})"
         lines.append(f"| {r.get('M', 128)} | {r['N']} | {r['view']} | {r['precision']} | "
-                     f"{r['factors']} | "
-                     f"{r['kmeans']} | {ms} | {agree} |")
+                     f"{r['factors']} | {kmeans} | {ms} | {agree} |")
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ Written for a machine with torch and triton but no package index (it never insta
 and flushed (fsync) AS EACH PART ENDS; each part runs in a process of its own (as in
 bench/gpu_check.py), so a part that raises, crashes the interpreter or hangs past its time cap
 costs only its own line, and a call cut off at its time limit loses nothing already written.
+A part's process leads a process group of its own, killed whole at the part's cap.
 
 Lines, in this order (``part`` names each; docs/GPU.md, "The prepared GPU session", lists
 every key):
@@ -23,22 +24,23 @@ every key):
    timed; per run the trainer's own metrics (step, data wait, selection total / visible,
    clips/s, MFU); then active / random per pair and the mean with its 95 % t-interval
    (``cmacc.metrics.mean_ci``);
-2. ``profile``: a ``torch.profiler`` trace (CPU + CUDA) of 10 active steps of the same trainer:
+2. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
+   k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
+   (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
+   bf16 r3d_18 key-encoder forward on the main stream, at default and at high priority (the
+   side stream's and the graph captures'); each setting's row kept as it ends;
+3. ``profile``: a ``torch.profiler`` trace (CPU + CUDA) of 10 active steps of the same trainer:
    ``profile_trace.json.gz``, ``profile_kernels.csv`` (name, calls, total and mean CUDA us per
    kernel), the top 20 kernels, and the totals of every ``record_function`` range that appears;
-3. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
+4. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
    channels-last-3d, bf16), forward and backward TFLOP/s with cuDNN autotuning
    (``torch.backends.cudnn.benchmark``) off and on, and the whole video encoder's
    forward + backward at both;
-4. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
+5. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
    per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
    "absent" where it is not there);
-5. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
+6. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
    warm-up (compile) time and the step time, or the error line;
-6. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
-   k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
-   (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
-   bf16 r3d_18 key-encoder forward on the main stream, at default and at high priority;
 7. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
    ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
    resume: the distributed paths on CUDA tensors before a multi-GPU run;
@@ -63,7 +65,7 @@ project is not installed.
 ``--dry-run``: every part on the CPU at the tiny preset's sizes (a few steps, N = 192; the
 select part through the Triton interpreter), in well under a minute: the same lines and keys,
 no meaningful figures. tests/test_gpu_session.py runs it. ``--fail-part NAME`` (a testing hook)
-makes that part's process abort at its start.
+makes that part's process abort at its start (``NAME:hang``: hang there, beside a child).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,6 +128,9 @@ PARTS = {  # in the order they run: the most valuable first
         "preset", "warmup_steps", "timed_steps", "pairs", "runs", "step_ratio", "step_ratio_mean",
         "step_ratio_ci95", "iter_ratio", "iter_ratio_mean", "iter_ratio_ci95",
         "cudnn_benchmark")),
+    "select": Spec(part_select, 60, 25, (
+        "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
+        "selections_ms", "beside")),
     "profile": Spec(part_profile, 90, 40, (
         "steps", "wall_ms_per_step", "all_threads", "what", "trace", "trace_bytes", "trace_holds",
         "kernels_csv", "kernel_count", "kernel_ms_per_step", "top20", "ranges", "ranges_missing",
@@ -137,9 +143,6 @@ PARTS = {  # in the order they run: the most valuable first
         "prefetch_speedup")),
     "compile": Spec(part_compile, 150, 60, (
         "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error")),
-    "select": Spec(part_select, 60, 25, (
-        "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
-        "selections_ms", "beside")),
     "dist": Spec(part_dist, 120, 45, (
         "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
         "resumed")),
@@ -187,6 +190,15 @@ def rerun_command(name: str, args) -> str:
     return " ".join(["python3 bench/gpu_session.py --part", name, *common_argv(args)])
 
 
+def _kill_group(proc) -> None:
+    """SIGKILL to ``proc``'s process group (its session's every process), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group has ended already
+        pass
+    proc.wait()
+
+
 def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, float]:
     """(status, body, seconds) of one part run in its own process within ``timeout`` s."""
     t0 = time.monotonic()
@@ -202,10 +214,16 @@ def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, flo
         argv = [sys.executable, str(SCRIPT), "--one", name, "--out", str(out),
                 "--cap", f"{timeout:.0f}", *common_argv(args)]
         timed_out = False
+        # a process group of its own: a timeout (or Ctrl-C) ends the part's torchrun ranks and
+        # ncu's target too, which would otherwise hold the GPU through the later parts
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(argv, cwd=ROOT, env=env, timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc, timed_out = None, True
+        finally:
+            if proc.returncode is None or timed_out:
+                _kill_group(proc)
         try:
             got = json.loads(report.read_text()) if report.exists() else {}
         except ValueError:
@@ -279,6 +297,10 @@ def run_one(name: str, args) -> int:
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file left behind)
         os.abort()
+    if os.environ.get(FAIL_ENV) == name + ":hang":  # the testing hook: it and a child hang
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        report(child_pid=child.pid)
+        time.sleep(600)
     if not args.dry_run:
         os.environ.pop("TRITON_INTERPRET", None)
     try:
@@ -314,7 +336,8 @@ def main(argv=None) -> int:
                    help="dali part: clips prepared elsewhere (cmacc-prepare's manifest.csv)")
     p.add_argument("--dry-run", action="store_true",
                    help="every part on the CPU at tiny sizes: the lines, not the figures")
-    p.add_argument("--fail-part", choices=tuple(PARTS), help=argparse.SUPPRESS)  # testing hook
+    p.add_argument("--fail-part", choices=(*PARTS, *(f"{n}:hang" for n in PARTS)),
+                   help=argparse.SUPPRESS)  # testing hook
     p.add_argument("--one", choices=("env", *PARTS), help=argparse.SUPPRESS)  # a part's process
     p.add_argument("--cap", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--ncu-target", action="store_true", help=argparse.SUPPRESS)

@@ -175,6 +175,16 @@ def part_profile(args, report) -> dict:
             prof.stop()
             state["done"] = True
 
+    from cmacc.model import CMACC
+
+    alone = CMACC.time_selection_alone
+
+    def not_in_the_window(model):  # a metrics row's timing of the selections alone would add
+        if state["t0"] is not None and not state["done"]:  # two selections and a sync to it
+            return float("nan")
+        return alone(model)
+
+    CMACC.time_selection_alone = not_in_the_window  # (this part's own process)
     run = trainer_run(sz, "active", timed=sz.warm, on_step=on_step,
                       extra_steps=n + 1 - sz.warm)
     if not state["done"]:
@@ -443,11 +453,13 @@ def part_compile(args, report) -> dict:
 
 def part_select(args, report) -> dict:
     """Each k-means++ variant x factor dtype alone; then the training's selections on a side
-    stream beside a bf16 r3d_18 key-encoder forward, at default and high priority."""
+    stream beside a bf16 r3d_18 key-encoder forward, at default and high priority (the side
+    stream's and the plans' graph captures': a replay runs at its capture's priority)."""
     from cmacc.config import PRESETS
     from cmacc.encoders import Encoder, video_backbone
     from cmacc.samplers import select
     from kernels import triton_kmeanspp as km
+    from kernels import triton_select as ts
 
     sz = sizes(args)
     cfg, dev = PRESETS[sz.preset], sz.device
@@ -459,8 +471,9 @@ def part_select(args, report) -> dict:
     pool = _pool(n, m, d, dh, g, device=dev)
     settings = [("ieee", f, v) for f in ("fp32", "bf16") for v in variants]
     timer = None if cuda else wall_ms  # the interpreter: one call (seconds each)
-    rows = _time_settings(n, m, pool, "head", settings, True, timer=timer)
-    report(N=n, M=m, d=d, d_h=dh, variants=variants, alone=rows)
+    rows = _time_settings(n, m, pool, "head", settings, True, timer=timer,
+                          on_row=lambda rows: report(N=n, M=m, d=d, d_h=dh, variants=variants,
+                                                     alone=rows))
     # beside the key encoder: the model's selection call (cmacc.samplers.select), both
     # dictionaries as a training step makes them, default engine settings
     keys, queries, feats = pool
@@ -528,16 +541,19 @@ def part_select(args, report) -> dict:
         vals = [fn() for _ in range(sz.overlap_reps)]
         return [sorted(v[i] for v in vals)[len(vals) // 2] for i in range(4)]
 
-    streams = {"default": torch.cuda.Stream() if cuda else None,
-               "high": torch.cuda.Stream(priority=-1) if cuda else None}
+    priorities = {"default": 0, "high": -1}
     enc_ms = median(lambda: timed(encode, None, None))[0]
-    sel_ms = median(lambda: timed(None, selections, streams["default"]))[1]
-    beside = {}
-    for name, stream in streams.items():
+    sel_ms, beside = None, {}
+    for name, priority in priorities.items():
+        ts.clear_plans()  # captured again (in median's warm-up) at this priority
+        ts.CAPTURE_PRIORITY = priority
+        stream = torch.cuda.Stream(priority=priority) if cuda else None
+        if sel_ms is None:
+            sel_ms = median(lambda s=stream: timed(None, selections, s))[1]
         main_ms, side_ms, both_ms, host_ms = median(lambda s=stream: timed(encode, selections, s))
-        beside[name] = dict(main_ms=main_ms, side_ms=side_ms, both_ms=both_ms,
+        beside[name] = dict(priority=priority, main_ms=main_ms, side_ms=side_ms, both_ms=both_ms,
                             host_issue_ms=host_ms, main_slowdown=main_ms / enc_ms)
-        report(beside=beside)
+        report(encoder_ms=enc_ms, selections_ms=sel_ms, beside=beside)
     return dict(N=n, M=m, d=d, d_h=dh, variants=variants, alone=rows,
                 overlap_setting=dict(engine, view=sel.grad_view, selections=2,
                                      encoder=f"{mc.video_arch} key encoder forward, bf16 "

@@ -272,9 +272,10 @@ class CMACC(nn.Module):
         """Seconds that the last selecting step's two selections take with nothing else
         running: their device time alone, i.e. the SM time they take from a step (``t_select``
         beside the key encoders is longer by its queueing; ``t_select_visible`` is what the
-        step waited). They run again on the same inputs and seeds, on their own stream, once
-        the device has finished its queued work: a host sync, for a log row, never inside a
-        step. The picks are discarded and nothing the run reads changes (the plan's output
+        step waited). They run again with the step's queries, features, m and seeds, against
+        the pools and dictionaries as the step left them (its picks enqueued: the same sizes,
+        a few candidates changed), on their own stream, once the device has finished its
+        queued work: a host sync, for a log row, never inside a step. The picks are discarded and nothing the run reads changes (the plan's output
         buffers are rewritten before their next use). 0.0 if no step has selected yet."""
         if self._last_select is None:
             return 0.0

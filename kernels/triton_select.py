@@ -42,12 +42,15 @@ from . import triton_resident as rs
 
 __all__ = ["SelectPlan", "plan_for", "select_triton", "select_pool_triton", "clear_plans",
            "resident_fits", "auto_variant",
-           "FACTOR_DTYPES", "MAX_PLANS", "INTERPRETED"]
+           "FACTOR_DTYPES", "MAX_PLANS", "CAPTURE_PRIORITY", "INTERPRETED"]
 
 INTERPRETED = ge.INTERPRETED
 FACTOR_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_PLANS = 8
 MIN_CAPACITY = 1024  # unbound calls round the pool up to a power of two >= this
+# the CUDA stream priority that plans capture their graphs at, and so replay at (lower is
+# higher; torch clamps to the device's range). Plans built after a change use it: clear_plans()
+CAPTURE_PRIORITY = -1
 
 
 class SelectPlan:
@@ -112,7 +115,11 @@ class SelectPlan:
                      if self.variant == "resident" else None)
         self._bind_pool(pool)
         self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
-        self._launch()  # compile, autotune and warm up outside any capture
+        # compile, autotune and warm up outside any capture, over every row (zeros until the
+        # first run): with no valid row the race variants draw no index (2^31 - 1), and the
+        # gathers of a pool-bound plan would index out of range
+        self.n.fill_(capacity)
+        self._launch()
         if graph if graph is not None else (dev.type == "cuda"
                                             and os.environ.get("CMACC_GRAPH", "1") == "1"):
             self._capture()
@@ -173,7 +180,7 @@ class SelectPlan:
         graph = torch.cuda.CUDAGraph()
         # captured on a high-priority stream: a replay runs each node at the priority it was
         # captured with, so the selection's kernels go before the key encoders' queued ones
-        stream = torch.cuda.Stream(device=self.device, priority=-1)
+        stream = torch.cuda.Stream(device=self.device, priority=CAPTURE_PRIORITY)
         try:
             with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 self._launch()

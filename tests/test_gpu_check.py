@@ -30,8 +30,12 @@ def test_sweep_table_lists_every_measured_and_failed_row():
             dict(M=128, N=38400, view="head", precision="tf32", factors="bf16",
                  kmeans="persistent", error="out of memory"),
             dict(M=4096, N=1228800, view="head", precision="ieee", factors="fp32", kmeans="lazy",
-                 ms=512.5, same_picks_vs_first=0.998, same_set_vs_first=1.0)]
+                 ms=512.5, same_picks_vs_first=0.998, same_set_vs_first=1.0),
+            dict(M=128, N=38400, view="head", precision="ieee", factors="fp32",
+                 kmeans="resident", ran="steps", ms=0.9, same_picks_vs_first=1.0,
+                 same_set_vs_first=1.0)]
     text = gpu_check.sweep_table(rows)
+    assert "| ieee | fp32 | resident (ran steps) | 0.900 |" in text
     assert "| 128 | 38400 | head | ieee | fp32 | steps | 0.910 | 1.000 / 1.000 |" in text
     assert "| 128 | 38400 | head | tf32 | bf16 | persistent | failed: out of memory |  |" in text
     assert "| 4096 | 1228800 | head | ieee | fp32 | lazy | 512.500 | 0.998 / 1.000 |" in text
@@ -146,3 +150,25 @@ def test_a_crashing_part_loses_no_other_parts_figures(tmp_path):
     for name in ("crash", "hang", "fails"):
         assert f"- {name}: " in summary and f"`python bench/gpu_check.py --part {name}`" in summary
     assert "first" not in summary and "last" not in summary
+
+
+def test_each_setting_is_compared_with_the_first_of_its_factor_dtype_and_reported_as_it_ends():
+    """_time_settings (the GPU session's `select` part and the sweep), on CPU tensors:
+    a bf16 row's agreement is against the first bf16 row (exact agreement, not bf16 rounding
+    against fp32), each row names the variant that ran, and on_row sees the rows after each."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    n, m, d, dh = 96, 4, 8, 16
+    pool = (F.normalize(torch.randn(n, d, generator=g), dim=1),
+            F.normalize(torch.randn(m, d, generator=g), dim=1), torch.randn(m, dh, generator=g))
+    settings = [("ieee", "fp32", "steps"), ("ieee", "bf16", "steps"), ("ieee", "fp32", "lazy"),
+                ("ieee", "bf16", "lazy")]
+    seen = []
+    rows = gpu_check._time_settings(n, m, pool, "head", settings, True, timer=lambda fn: 1.0,
+                                    on_row=lambda rows: seen.append(len(rows)))
+    assert seen == [1, 2, 3, 4]
+    assert [r.get("error") for r in rows] == [None] * 4
+    assert [r["ran"] for r in rows] == ["steps", "steps", "lazy", "lazy"]
+    assert [r["base"] for r in rows] == ["ieee/fp32/steps", "ieee/bf16/steps"] * 2
+    assert [r["same_picks_vs_first"] for r in rows] == [1.0] * 4  # lazy draws steps' picks

@@ -125,6 +125,28 @@ def test_a_crashing_part_costs_only_its_own_line_which_says_how_to_rerun_it(tmp_
     assert "rerun alone: python3 bench/gpu_session.py --part loader --dry-run" in p.stdout
 
 
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # (a zombie has ended: its new parent has not reaped it yet)
+
+
+def test_a_part_that_outlives_its_cap_is_killed_with_its_children(tmp_path):
+    """A part that does not finish within its cap ends with every process it started (the
+    dist part's torchrun ranks, ncu's target: on a GPU they would hold it through the later
+    parts); its line says it was killed and keeps what it had reported."""
+    import argparse
+
+    args = argparse.Namespace(dry_run=True, fail_part="loader:hang", pairs=3, dali_manifest=None)
+    status, body, secs = gs.run_part("loader", args, tmp_path, timeout=10)
+    assert status == "failed" and body["how"] == "did not finish within 10 s (killed)", body
+    pid = body["partial"]["child_pid"]
+    assert not _running(pid)
+    assert secs < 30
+
+
 def test_a_part_is_skipped_when_the_budget_left_is_too_small(tmp_path):
     """No time left: every part's line says it was skipped and how to run it alone (only the
     env line is measured)."""

@@ -323,15 +323,18 @@ def _ref_select_n(keys, queries, feats, k, *, n, exclude, **kw):
     return ref.select(keys[:n], queries, feats, k, exclude=exclude[:n], **kw)
 
 
-@pytest.mark.parametrize("view", ["head", "queries"])
+@pytest.mark.parametrize("view,variant", [("head", "steps"), ("queries", "steps"),
+                                          ("head", "lazy"), ("queries", "resident")])
 def test_the_whole_selection_from_the_pool_in_one_plan_equals_the_eager_composition(
-        monkeypatch, view):
+        monkeypatch, view, variant):
     """kernels.select_from_pool on the Triton path (the exclusion U \\ D, the selection, the
     gathers of the picks' keys and indices and their mean |g|, all inside the plan: one CUDA
     graph on a GPU) against the same steps as eager ops (kernels/select_pool.py, the reference
     path): the same keys and indices, the same fallback, |g| to float rounding; a pool filled
     to n < capacity, a dictionary holding some of the pool's clips (and -1, no clip), and a
-    dictionary that leaves fewer than m candidates (the exclusion dropped, fallback 1)."""
+    dictionary that leaves fewer than m candidates (the exclusion dropped, fallback 1). Every
+    variant the interpreter runs (the resident one as its per-round twin): a plan is warmed up
+    when it is built, before any pool is in it, and the picks of that warm-up are gathered too."""
     from kernels.select_pool import select_from_pool_eager
 
     monkeypatch.setenv("CMACC_KERNELS", "triton")  # the plan path, also on CPU tensors
@@ -345,7 +348,7 @@ def test_the_whole_selection_from_the_pool_in_one_plan_equals_the_eager_composit
     for n in (400, cap):
         for which, dict_index in dicts.items():
             got = kernels.select_from_pool(keys, pool_index, dict_index, queries, feats, m,
-                                           seed=7, n=n, view=view)
+                                           seed=7, n=n, view=view, variant=variant)
             want = select_from_pool_eager(_ref_select_n, ref.grad_embed, keys, pool_index,
                                           dict_index, queries, feats, m, seed=7, n=n,
                                           tau=1.0, view=view, engine={})
@@ -357,3 +360,4 @@ def test_the_whole_selection_from_the_pool_in_one_plan_equals_the_eager_composit
                 assert not set(got[1].tolist()) & set(dict_index.tolist())
     plans = [p for p in ts._PLANS.values() if p.pool_index is not None]
     assert plans and all(p.pool_index.data_ptr() == pool_index.data_ptr() for p in plans)
+    assert {p.variant for p in plans} == {variant}
