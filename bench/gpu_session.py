@@ -142,7 +142,8 @@ PARTS = {  # in the order they run: the most valuable first
         "h2d_gb_s", "serial_batches_per_s", "prefetch", "prefetch_batches_per_s",
         "prefetch_speedup")),
     "compile": Spec(part_compile, 150, 60, (
-        "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error")),
+        "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error",
+        "forwards_started_at_s")),
     "dist": Spec(part_dist, 120, 45, (
         "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
         "resumed")),

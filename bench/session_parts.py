@@ -442,13 +442,19 @@ def part_compile(args, report) -> dict:
         backend = "eager (dry run: dynamo only)"
     out = dict(backend=backend, warm_s=None, step_ms=None, iter_ms=None, clips_per_s=None,
                mfu=None, error=None)
+    t0, forwards = time.perf_counter(), []
+
+    def on_step():  # how far it got, if the cap ends it (a cold inductor compile is long)
+        forwards.append(round(time.perf_counter() - t0, 1))
+        report(backend=backend, forwards_started_at_s=forwards)
+
     try:
-        r = trainer_run(sz, "active", timed=sz.compile_timed, compile=True)
+        r = trainer_run(sz, "active", timed=sz.compile_timed, compile=True, on_step=on_step)
     except Exception as e:  # noqa: BLE001 - the finding is the error line
         out["error"] = f"{type(e).__name__}: {first_line(e, 500)}"
-        return out
+        return dict(out, forwards_started_at_s=forwards)
     out.update({k: r[k] for k in ("warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu")})
-    return out
+    return dict(out, forwards_started_at_s=forwards)
 
 
 def part_select(args, report) -> dict:
@@ -562,6 +568,18 @@ def part_select(args, report) -> dict:
                 encoder_ms=enc_ms, selections_ms=sel_ms, beside=beside)
 
 
+def dist_train_argvs(preset: str, device: str, dry_run: bool, out) -> list[list[str]]:
+    """train.py's arguments of the dist part's two runs: 4 steps with a checkpoint at 2 and 4,
+    then to 6 (a resume). On a GPU the paper preset, small (its 500-step warm-up shortened:
+    train.py refuses a run that would not reach a tenth of --lr); the dry run's tiny preset."""
+    small = (["--clips", "96"] if dry_run else
+             ["--batch-size", "16", "--dict-size", "160", "--pool-size", "480", "--clips", "256",
+              "--amp", "bf16", "--warmup", "2"])
+    common = ["--preset", preset, "--device", device, "--dist-backend", "gloo",
+              "--pool-mode", "epoch", "--log-every", "2", "--out", str(out), *small]
+    return [[*common, "--steps", "4", "--ckpt-every", "2"], [*common, "--steps", "6"]]
+
+
 def part_dist(args, report) -> dict:
     """``torchrun --nproc_per_node 2`` on the one GPU with gloo over CUDA tensors
     (``--dist-backend gloo``: the ranks share it): DDP's gradient all-reduce, shuffle-BN's
@@ -569,17 +587,13 @@ def part_dist(args, report) -> dict:
     checkpoint, and a resume from it; so device placement and dtype errors of the distributed
     paths show before a user's first multi-GPU run (a test, not a speed figure)."""
     sz = sizes(args)
-    small = (["--clips", "96"] if args.dry_run else
-             ["--batch-size", "16", "--dict-size", "160", "--pool-size", "480", "--clips", "256",
-              "--amp", "bf16"])
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        common = ["--preset", sz.preset, "--device", sz.device, "--dist-backend", "gloo",
-                  "--pool-mode", "epoch", "--log-every", "2", "--out", str(out), *small]
-        for steps, extra in ((4, ["--ckpt-every", "2"]), (6, [])):  # the second resumes at 4
+        for train_argv in dist_train_argvs(sz.preset, sz.device, args.dry_run, out):
+            steps = int(train_argv[train_argv.index("--steps") + 1])
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    "--nproc_per_node", "2", "train.py", *common, "--steps", str(steps), *extra]
+                    "--nproc_per_node", "2", "train.py", *train_argv]
             t0 = time.monotonic()
             p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"),

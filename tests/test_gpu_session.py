@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import gpu_session as gs  # noqa: E402
+from bench import session_common as sc  # noqa: E402
 from bench import session_parts as sp  # noqa: E402
 
 NCU_CSV = "\n".join([
@@ -125,6 +126,24 @@ def test_a_crashing_part_costs_only_its_own_line_which_says_how_to_rerun_it(tmp_
     assert "rerun alone: python3 bench/gpu_session.py --part loader --dry-run" in p.stdout
 
 
+def test_the_dist_parts_train_commands_pass_train_pys_checks_at_both_sizes(tmp_path):
+    """The dist part's two train.py commands, as a GPU session runs them (the paper preset on
+    cuda) and as the dry run does, are accepted by train.py before any work: its flags, the
+    config's own checks, the warm-up check and the selection batch check (the dry run alone
+    would not see a refusal that only the paper preset meets)."""
+    import train
+
+    for sz in (sc.GPU, sc.DRY):
+        argvs = sp.dist_train_argvs(sz.preset, sz.device, sz is sc.DRY, tmp_path / "run")
+        assert [a[a.index("--steps") + 1] for a in argvs] == ["4", "6"]
+        for argv in argvs:
+            args = train.build_parser().parse_args(argv)
+            cfg = train.config_from_args(args)
+            train.check_warmup(cfg, args.preset, given=getattr(args, "optim.warmup") is not None)
+            cfg.check_selection_batch()
+            assert (cfg.run.device, cfg.run.dist_backend) == (sz.device, "gloo")
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -186,3 +205,23 @@ def test_the_driver_runs_where_the_project_is_not_installed_and_imports_touch_no
     q = subprocess.run([sys.executable, "-c", probe, str(ROOT)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)
     assert q.returncode == 0 and q.stdout.strip() == "False", q.stdout + q.stderr[-3000:]
+
+
+def test_a_parts_trainer_runs_make_the_synthetic_clips_once(monkeypatch):
+    """bench/session_common.trainer_run: the second run of a part (pairs runs six) finds the
+    first run's clips (the paper preset's 1,024 take seconds to make and a 2.5 GB copy to the
+    GPU each), and the data module's own function is back after each run."""
+    from cmacc import data
+
+    made = []
+
+    def counting(dcfg, seed):
+        made.append(seed)
+        return real(dcfg, seed)
+
+    real = data.synthetic_clips
+    monkeypatch.setattr(data, "synthetic_clips", counting)
+    monkeypatch.setattr(sc, "_CLIPS", {})
+    runs = [sc.trainer_run(sc.DRY, "random", timed=1) for _ in range(2)]
+    assert made == [0] and data.synthetic_clips is counting
+    assert runs[0]["steps"] == runs[1]["steps"] == 1
