@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import math
 import os
 import platform
@@ -24,19 +25,39 @@ from data_dali.fileio import atomic_path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+COMMIT_ENV = "CMACC_COMMIT"  # the commit a copy of the tree came from, said by its sender
+SOURCE_DIRS = ("cmacc", "kernels", "bench", "data_dali")
+
+
 def git_commit() -> str:
-    """HEAD's hash (12 digits), '+dirty' if tracked files differ from it; 'unknown' if git or the
-    repository is unavailable. (subprocess with list arguments, never a shell.)"""
+    """HEAD's hash (12 digits), '+dirty' if tracked files differ from it; $CMACC_COMMIT where
+    set (a copy of the tree on another machine, whose git metadata may be stale or absent:
+    the sender names the commit, and ``source_sha256`` lets a reader check it); 'not a git
+    checkout' or 'unknown' (no git) otherwise. (subprocess with list arguments, no shell.)"""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV] + " (said by $" + COMMIT_ENV + ")"
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True, timeout=10)
         if head.returncode != 0:
-            return "uncommitted (no HEAD)"
+            return "not a git checkout"
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def source_sha256(root: Path = ROOT) -> str:
+    """SHA-256 over the code that runs (every .py file under cmacc/, kernels/, bench/,
+    data_dali/, and train.py: each file's relative path and bytes, in sorted order), so a
+    figure taken on a copy of the tree can be matched to a commit: run this on its checkout."""
+    h = hashlib.sha256()
+    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py")) + [root / "train.py"]
+    for p in files:
+        if p.is_file():
+            h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def env_info(device: str) -> dict:
@@ -57,15 +78,16 @@ def env_info(device: str) -> dict:
                 date=datetime.date.today().isoformat(), commit=git_commit())
 
 
-def median_ms(fn, device: str, *, min_run_time: float = 1.0) -> float:
+def median_ms(fn, device: str, *, min_run_time: float = 1.0, rep_ms: int = 100) -> float:
     """Median time of one fn() call in milliseconds. CUDA: ``triton.testing.do_bench`` (its
-    warm-up, L2 flush before each run, CUDA events). CPU: ``torch.utils.benchmark.Timer``'s
+    warm-up, L2 flush before each run, CUDA events; as many runs as fit in ``rep_ms``, at
+    least one: a 100 ms fn needs a larger ``rep_ms`` for a median of several). CPU: ``torch.utils.benchmark.Timer``'s
     ``blocked_autorange`` on all of torch's threads (the first call sizes the blocks and warms
     up; blocks run until ``min_run_time`` seconds are spent, so a slow fn runs twice)."""
     if device == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, return_mode="median")
+        return do_bench(fn, rep=rep_ms, return_mode="median")
     from torch.utils.benchmark import Timer
 
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())

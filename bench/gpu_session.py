@@ -39,15 +39,16 @@ every key):
 5. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
    per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
    "absent" where it is not there);
-6. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
-   warm-up (compile) time and the step time, or the error line;
-7. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
+6. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
    ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
    resume: the distributed paths on CUDA tensors before a multi-GPU run;
-8. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
+7. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
    a line saying why it was skipped;
-9. ``ncu``: Nsight Compute (``--set basic``, 3 launches) on the selection's kernels:
-   ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
+8. ``ncu``: Nsight Compute (``--set basic``, 6 launches, the selection's own: not its plan's
+   warm-up) on the selection's kernels: ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
+9. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
+   warm-up (compile) time and the step time, or the error line (last: a cold inductor
+   compile may take its whole cap);
 
 and a closing ``end`` line (failed and skipped parts, the clocks after the session).
 
@@ -65,12 +66,14 @@ project is not installed.
 ``--dry-run``: every part on the CPU at the tiny preset's sizes (a few steps, N = 192; the
 select part through the Triton interpreter), in well under a minute: the same lines and keys,
 no meaningful figures. tests/test_gpu_session.py runs it. ``--fail-part NAME`` (a testing hook)
-makes that part's process abort at its start (``NAME:hang``: hang there, beside a child).
+makes that part's process abort at its start (``NAME:hang``: hang there, beside a child;
+``NAME:orphan``: exit 1, leaving a child running).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -141,19 +144,20 @@ PARTS = {  # in the order they run: the most valuable first
         "batch", "clips", "make_s", "batch_mb", "batches", "gather_ms", "pin_ms", "h2d_ms",
         "h2d_gb_s", "serial_batches_per_s", "prefetch", "prefetch_batches_per_s",
         "prefetch_speedup")),
-    "compile": Spec(part_compile, 150, 60, (
-        "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error",
-        "forwards_started_at_s")),
     "dist": Spec(part_dist, 120, 45, (
         "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
         "resumed")),
     "dali": Spec(part_dali, 60, 20, ("manifest", "summary", "clips_per_s")),
-    "ncu": Spec(part_ncu, 90, 30, ("command", "report", "csv", "kernels")),
+    "ncu": Spec(part_ncu, 90, 60, ("command", "report", "csv", "kernels")),
+    # last: a cold inductor compile of the paper encoders may take its whole cap
+    "compile": Spec(part_compile, 150, 60, (
+        "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error",
+        "forwards_started_at_s")),
 }
 ENV = Spec(part_env, 60, 0, (
     "device", "sm_count", "memory_gib", "capability", "l2_mib", "torch", "triton", "cuda",
-    "cudnn", "driver", "versions", "commit", "date", "python", "cpu_count", "clocks", "dry_run",
-    "budget_s"))
+    "cudnn", "driver", "versions", "commit", "source_sha256", "date", "python", "cpu_count",
+    "clocks", "dry_run", "budget_s"))
 FAIL_ENV = "GPU_SESSION_FAIL"  # the --fail-part hook, as the parts' processes see it
 
 
@@ -191,13 +195,33 @@ def rerun_command(name: str, args) -> str:
     return " ".join(["python3 bench/gpu_session.py --part", name, *common_argv(args)])
 
 
+_RUNNING: list = []  # the part's process now running (for the driver's signal handler)
+
+
 def _kill_group(proc) -> None:
     """SIGKILL to ``proc``'s process group (its session's every process), then reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # the group has ended already
+    except (ProcessLookupError, PermissionError):  # the group has ended already
         pass
     proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In a part's process before it starts (Linux): SIGKILL when the driver dies, even by
+    SIGKILL (a device call cut off at its limit), so that no part outlives the session."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _on_signal(signum, _frame):
+    """SIGTERM / SIGHUP / SIGINT to the driver: the running part's whole group ends with it
+    (its lines so far are on disk already)."""
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+    raise SystemExit(128 + signum)
 
 
 def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, float]:
@@ -217,14 +241,16 @@ def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, flo
         timed_out = False
         # a process group of its own: a timeout (or Ctrl-C) ends the part's torchrun ranks and
         # ncu's target too, which would otherwise hold the GPU through the later parts
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        _RUNNING[:] = [proc]
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc, timed_out = None, True
-        finally:
-            if proc.returncode is None or timed_out:
-                _kill_group(proc)
+        finally:  # also when the part itself ended: what it started and left running
+            _kill_group(proc)
+            _RUNNING.clear()
         try:
             got = json.loads(report.read_text()) if report.exists() else {}
         except ValueError:
@@ -238,6 +264,8 @@ def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, flo
 
 
 def run_session(args) -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _on_signal)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = out / LINES
@@ -298,9 +326,11 @@ def run_one(name: str, args) -> int:
 
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # (no core file left behind)
         os.abort()
-    if os.environ.get(FAIL_ENV) == name + ":hang":  # the testing hook: it and a child hang
+    if os.environ.get(FAIL_ENV) in (name + ":hang", name + ":orphan"):  # the testing hooks: a
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        report(child_pid=child.pid)
+        report(child_pid=child.pid)  # child left running, and this part hangs or fails
+        if os.environ[FAIL_ENV].endswith(":orphan"):
+            sys.exit(1)
         time.sleep(600)
     if not args.dry_run:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -318,6 +348,10 @@ def run_one(name: str, args) -> int:
 
         traceback.print_exc()
     save()
+    if not args.dry_run:  # figures are on disk: leave without the interpreter's teardown
+        sys.stdout.flush()  # (inductor's workers, the CUDA context), which could outlast the
+        sys.stderr.flush()  # cap and turn a finished part into a killed one
+        os._exit(rc)
     return rc
 
 
@@ -337,7 +371,8 @@ def main(argv=None) -> int:
                    help="dali part: clips prepared elsewhere (cmacc-prepare's manifest.csv)")
     p.add_argument("--dry-run", action="store_true",
                    help="every part on the CPU at tiny sizes: the lines, not the figures")
-    p.add_argument("--fail-part", choices=(*PARTS, *(f"{n}:hang" for n in PARTS)),
+    p.add_argument("--fail-part", choices=(*PARTS, *(f"{n}:{how}" for n in PARTS
+                                                     for how in ("hang", "orphan"))),
                    help=argparse.SUPPRESS)  # testing hook
     p.add_argument("--one", choices=("env", *PARTS), help=argparse.SUPPRESS)  # a part's process
     p.add_argument("--cap", type=float, default=60.0, help=argparse.SUPPRESS)

@@ -59,11 +59,11 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_ms(fn, device, reps=2) -> float:
-    """Median ms of fn(): ``triton.testing.do_bench`` on CUDA (bench/common.py's ``median_ms``);
-    on the CPU (the dry run) the mean of ``reps`` wall-clock calls after one."""
+def bench_ms(fn, device, reps=2, rep_ms: int = 100) -> float:
+    """Median ms of fn(): ``triton.testing.do_bench`` on CUDA (bench/common.py's ``median_ms``,
+    over ``rep_ms``); on the CPU (the dry run) the mean of ``reps`` wall-clock calls after one."""
     if torch.device(device).type == "cuda":
-        return median_ms(fn, "cuda")
+        return median_ms(fn, "cuda", rep_ms=rep_ms)
     fn()
     t0 = time.perf_counter()
     for _ in range(reps):

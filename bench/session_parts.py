@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ TRACE_LIMIT = 15 * 2 ** 20  # bytes: a file back from the device machine is at m
 # keeps what is measured so far (a crash or a timeout then keeps it in the failure line)
 # ---------------------------------------------------------------------------------------------
 def part_env(args, report) -> dict:
-    from bench.common import git_commit
+    from bench.common import git_commit, source_sha256
 
     cuda = torch.cuda.is_available() and not args.dry_run
     try:
@@ -61,7 +62,7 @@ def part_env(args, report) -> dict:
                cudnn=torch.backends.cudnn.version() if torch.backends.cudnn.is_available()
                else None, driver=None,
                versions="dry run: not read" if args.dry_run else versions(),
-               commit=git_commit(),
+               commit=git_commit(), source_sha256=source_sha256(),
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), python=sys.version.split()[0],
                cpu_count=os.cpu_count(), clocks=nvidia_smi_clocks(), dry_run=args.dry_run,
                budget_s=args.budget_s)
@@ -187,6 +188,8 @@ def part_profile(args, report) -> dict:
     CMACC.time_selection_alone = not_in_the_window  # (this part's own process)
     run = trainer_run(sz, "active", timed=sz.warm, on_step=on_step,
                       extra_steps=n + 1 - sz.warm)
+    report(steps=n, wall_ms_per_step=1e3 * state["wall"] / n if state["done"] else None,
+           run=run)  # (kept if the trace's processing below outlasts the cap)
     if not state["done"]:
         raise PartFailed(f"the profiler window did not close: {state['calls']} forwards seen, "
                          f"{sz.warm + n + 1} needed")
@@ -319,8 +322,8 @@ def part_convs(args, report) -> dict:
             fwd_ms = bench_ms(lambda x=x, w=w, conv=conv: F.conv3d(x, w, None, **conv), dev)
             bwd_ms = bench_ms(bwd, dev)
             layer[f"fwd_ms_{tag}"], layer[f"bwd_ms_{tag}"] = fwd_ms, bwd_ms
-            layer[f"fwd_tflops_{tag}"] = layer["gflop_fwd"] / fwd_ms / 1e3
-            layer[f"bwd_tflops_{tag}"] = layer["gflop_bwd"] / bwd_ms / 1e3
+            layer[f"fwd_tflops_{tag}"] = layer["gflop_fwd"] / fwd_ms  # GFLOP / ms = TFLOP/s
+            layer[f"bwd_tflops_{tag}"] = layer["gflop_bwd"] / bwd_ms
             del x, w, y, gy
         report(layers=layers)
 
@@ -329,9 +332,9 @@ def part_convs(args, report) -> dict:
                 q, h = encoder(clip)
             (q.float().sum() + h.float().sum()).backward()
 
-        ms = bench_ms(step, dev)
+        ms = bench_ms(step, dev, rep_ms=1000)  # (~100 ms a call: a median of ~10)
         encoder.zero_grad(set_to_none=True)
-        modes[tag] = dict(ms=ms, tflops=enc_gflop / ms / 1e3,
+        modes[tag] = dict(ms=ms, tflops=enc_gflop / ms,
                           conv_fwd_ms=sum(len(lay["names"]) * lay[f"fwd_ms_{tag}"]
                                           for lay in layers),
                           conv_bwd_ms=sum(len(lay["names"]) * lay[f"bwd_ms_{tag}"]
@@ -630,12 +633,16 @@ def part_dali(args, report) -> dict:
     return dict(manifest=args.dali_manifest, summary=text, clips_per_s=cps)
 
 
-NCU_KERNELS = "regex:grad_embed|kmeanspp"  # the embedding, then the k-means++ launches
+# the embedding, then the k-means++ launches of any variant (steps, persistent, lazy, resident)
+NCU_KERNELS = "regex:grad_embed|kmeanspp|lazy|resident"
+NCU_LAUNCHES = 6
 
 
 def ncu_target(args) -> int:
     """What ncu runs (``--ncu-target``): one selection at the session's sizes, launched eagerly
-    (no CUDA graph: each kernel a launch of its own), the default engine settings."""
+    (no CUDA graph: each kernel a launch of its own), the default engine settings; on CUDA
+    only its launches are profiled (``cudaProfilerStart``/``Stop`` around it, ncu's
+    ``--profile-from-start off``), not the plan's warm-up over its zeroed buffers."""
     from cmacc.config import PRESETS
     from kernels import triton_select as ts
 
@@ -649,8 +656,14 @@ def ncu_target(args) -> int:
                          precision=sel.precision, factors=sel.factors,
                          variant=sel.kmeans_variant, device=sz.device, keys_buffer=keys,
                          graph=False)
+    sync(sz.device)
+    cuda = torch.device(sz.device).type == "cuda"
+    if cuda:
+        torch.cuda.profiler.start()
     plan.run(keys, n, queries, feats, None, 7)
     sync(sz.device)
+    if cuda:
+        torch.cuda.profiler.stop()
     return 0
 
 
@@ -675,18 +688,27 @@ def part_ncu(args, report) -> dict:
     rep = out / "ncu_selection"
     target = [sys.executable, str(DRIVER), "--ncu-target"] + (["--dry-run"] * args.dry_run)
     cmd = [exe, "--target-processes", "all", "--clock-control", "none", "--set", "basic",
-           "--kernel-name", NCU_KERNELS, "--launch-count", "3", "-f", "-o", str(rep), *target]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, args.cap - 20))
+           "--profile-from-start", "off", "--kernel-name", NCU_KERNELS,
+           "--launch-count", str(NCU_LAUNCHES), "-f", "-o", str(rep), *target]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=max(10, args.cap - 25))
+    said = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith(("==ERROR==",
+                                                                               "==WARNING=="))]
     if p.returncode != 0:
         raise PartFailed(f"ncu exited {p.returncode}: " + " | ".join(
-            (p.stderr or p.stdout).strip().splitlines()[-3:]))
+            (said or (p.stderr or p.stdout).strip().splitlines())[-3:]))
     rep_file = rep.with_suffix(".ncu-rep")
+    if not rep_file.exists():
+        raise PartFailed("ncu wrote no report: " + " | ".join(said[-3:] or ["(no ncu lines)"]))
     q = subprocess.run([exe, "--import", str(rep_file), "--csv", "--page", "details"],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True,
+                       timeout=max(5, args.cap - 5 - (time.monotonic() - t0)))
     if q.returncode != 0:
         raise PartFailed(f"ncu --import exited {q.returncode}: {q.stderr.strip()[:300]}")
     (out / "ncu_selection.csv").write_text(q.stdout)
-    return dict(command=" ".join(cmd[1:-len(target)] + ["python3", "bench/gpu_session.py",
+    kernels = _ncu_kernels(q.stdout)
+    if not kernels:
+        raise PartFailed("ncu profiled no kernel: " + " | ".join(said[-3:] or ["(no ncu lines)"]))
+    return dict(command=shlex.join(cmd[1:-len(target)] + ["python3", "bench/gpu_session.py",
                                                           "--ncu-target"]),
-                report=rep_file.name if rep_file.exists() else None, csv="ncu_selection.csv",
-                kernels=_ncu_kernels(q.stdout))
+                report=rep_file.name, csv="ncu_selection.csv", kernels=kernels)

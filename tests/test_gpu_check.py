@@ -172,3 +172,23 @@ def test_each_setting_is_compared_with_the_first_of_its_factor_dtype_and_reporte
     assert [r["ran"] for r in rows] == ["steps", "steps", "lazy", "lazy"]
     assert [r["base"] for r in rows] == ["ieee/fp32/steps", "ieee/bf16/steps"] * 2
     assert [r["same_picks_vs_first"] for r in rows] == [1.0] * 4  # lazy draws steps' picks
+
+
+def test_a_copy_of_the_tree_says_its_commit_and_its_code_can_be_matched(tmp_path, monkeypatch):
+    """On the GPU machine the tree is a copy (git metadata stale or absent): $CMACC_COMMIT names
+    the commit, and source_sha256 is equal for an equal copy of the code and differs after a
+    one-byte change, so a reader can match the figures to a checkout."""
+    import shutil
+
+    from bench import common
+
+    monkeypatch.setenv(common.COMMIT_ENV, "0123456789ab")
+    assert common.git_commit() == "0123456789ab (said by $CMACC_COMMIT)"
+    for d in common.SOURCE_DIRS:
+        shutil.copytree(common.ROOT / d, tmp_path / d,
+                        ignore=shutil.ignore_patterns("__pycache__", "results"))
+    shutil.copy(common.ROOT / "train.py", tmp_path / "train.py")
+    assert common.source_sha256(tmp_path) == common.source_sha256()
+    f = tmp_path / "kernels" / "triton_select.py"
+    f.write_bytes(f.read_bytes() + b" ")
+    assert common.source_sha256(tmp_path) != common.source_sha256()

@@ -84,13 +84,23 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert all(f"{w}_ms_{m}" in lay for lay in by["convs"]["layers"] for w in ("fwd", "bwd")
                for m in ("off", "on"))
     assert set(by["convs"]["encoder"]) >= {"off", "on", "gflop_fwd_bwd"}
+    for lay in by["convs"]["layers"]:  # TFLOP/s x seconds = FLOPs (1e12 x 1e-3 ms = 1e9 GFLOP)
+        assert abs(lay["fwd_tflops_on"] * 1e12 * lay["fwd_ms_on"] / 1e3
+                   - lay["gflop_fwd"] * 1e9) <= 1e-6 * lay["gflop_fwd"] * 1e9
+    enc = by["convs"]["encoder"]
+    assert abs(enc["on"]["tflops"] * 1e12 * enc["on"]["ms"] / 1e3 - enc["gflop_fwd_bwd"] * 1e9) \
+        <= 1e-6 * enc["gflop_fwd_bwd"] * 1e9
     assert by["loader"]["prefetch"] in ("absent",) or by["loader"]["prefetch_batches_per_s"] > 0
     assert by["compile"]["error"] is None and by["compile"]["step_ms"] > 0
     dist = by["dist"]  # 2 gloo ranks: 4 steps with a checkpoint, then resumed to 6
     assert dist["steps"] == 6 and dist["resumed"] and dist["active"] == 1.0, dist
     assert [r["returncode"] for r in dist["runs"]] == [0, 0]
+    assert by["compile"]["forwards_started_at_s"]  # (each forward's start, as reported)
     sel = by["select"]
     assert [r["kmeans"] for r in sel["alone"]] == ["steps", "steps"]
+    assert [r["ran"] for r in sel["alone"]] == ["steps", "steps"]
+    assert [r["base"] for r in sel["alone"]] == ["ieee/fp32/steps", "ieee/bf16/steps"]
+    assert [sel["beside"][k]["priority"] for k in ("default", "high")] == [0, -1]
     assert all("ms" in r for r in sel["alone"]) and set(sel["beside"]) == {"default", "high"}
     assert lines[-1]["failed"] == [] and lines[-1]["skipped"] == ["dali"] + (
         ["ncu"] if by["ncu"]["status"] == "skipped" else [])
@@ -121,7 +131,9 @@ def test_a_crashing_part_costs_only_its_own_line_which_says_how_to_rerun_it(tmp_
     assert (out / ncu["report"]).is_file()
     assert [k["name"] for k in ncu["kernels"]] == ["_grad_embed_kernel", "_kmeanspp_step_kernel"]
     assert ncu["kernels"][0]["Duration"] == "12.35 us"
-    assert "--set basic" in ncu["command"] and "--launch-count 3" in ncu["command"]
+    assert "--set basic" in ncu["command"] and f"--launch-count {sp.NCU_LAUNCHES}" in ncu["command"]
+    assert "--profile-from-start off" in ncu["command"]  # the selection's launches, not warm-up
+    assert f"'{sp.NCU_KERNELS}'" in ncu["command"]  # quoted: the regex's | is not a pipe
     assert lines[-1]["failed"] == ["loader"] and lines[-1]["status"] == "failed"
     assert "rerun alone: python3 bench/gpu_session.py --part loader --dry-run" in p.stdout
 
@@ -152,17 +164,22 @@ def _running(pid: int) -> bool:
     return state != "Z"  # (a zombie has ended: its new parent has not reaped it yet)
 
 
-def test_a_part_that_outlives_its_cap_is_killed_with_its_children(tmp_path):
-    """A part that does not finish within its cap ends with every process it started (the
-    dist part's torchrun ranks, ncu's target: on a GPU they would hold it through the later
-    parts); its line says it was killed and keeps what it had reported."""
+def test_a_part_ends_with_every_process_it_started(tmp_path):
+    """A part that does not finish within its cap, or that fails leaving a child running (its
+    own subprocess timed out: the dist part's torchrun ranks, ncu's target), ends with every
+    process it started: on a GPU they would hold it through the later parts. Its line says how
+    it ended and keeps what it had reported."""
     import argparse
 
     args = argparse.Namespace(dry_run=True, fail_part="loader:hang", pairs=3, dali_manifest=None)
     status, body, secs = gs.run_part("loader", args, tmp_path, timeout=10)
     assert status == "failed" and body["how"] == "did not finish within 10 s (killed)", body
-    pid = body["partial"]["child_pid"]
-    assert not _running(pid)
+    assert not _running(body["partial"]["child_pid"])
+    assert secs < 30
+    args.fail_part = "loader:orphan"
+    status, body, secs = gs.run_part("loader", args, tmp_path, timeout=60)
+    assert status == "failed" and body["how"] == "failed (exit status 1)", body
+    assert not _running(body["partial"]["child_pid"])
     assert secs < 30
 
 
