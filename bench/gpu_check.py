@@ -33,6 +33,7 @@ without a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import signal
@@ -61,6 +62,57 @@ KERNEL_TESTS = ("tests/test_grad_embed.py", "tests/test_kmeanspp.py",
 
 def _env_without_interpreter() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CMACC_KERNELS")}
+
+
+_RUNNING: list = []  # the part's process now running (for the signal handler)
+
+
+def _kill_group(proc) -> None:
+    """SIGKILL to ``proc``'s process group (its session's every process), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group has ended already
+        pass
+    proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In a part's process before it starts (Linux): SIGKILL when the driver dies, even by
+    SIGKILL (a device call cut off at its limit), so that no part outlives its driver."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_in_group(argv: list, *, env: dict, timeout: float) -> tuple[int | None, bool]:
+    """(exit status or None, timed out) of ``argv`` run from the repository root in a process
+    group of its own, which is killed whole when it ends, however it ended: what the part
+    started and left running (torchrun's ranks, ncu's target) would hold the GPU through the
+    later parts. A part dies with its driver (``_die_with_parent``)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    _RUNNING[:] = [proc]
+    try:
+        return proc.wait(timeout=timeout), False
+    except subprocess.TimeoutExpired:
+        return None, True
+    finally:
+        _kill_group(proc)
+        _RUNNING.clear()
+
+
+def _on_signal(signum, _frame):
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+    raise SystemExit(128 + signum)
+
+
+def end_running_part_on_signals() -> None:
+    """SIGTERM / SIGHUP / SIGINT to the driver: the running part's whole group ends with it
+    (what was written so far stays)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _on_signal)
 
 
 class PartFailed(Exception):
@@ -296,17 +348,14 @@ def run_parts(parts: list[Part], results: Path, head: str) -> list[tuple[str, st
     part's figures (or what went wrong) as soon as it ends. Returns [(name, how it failed)] of
     the failed parts, after appending a summary that names them and how to rerun each alone."""
     append(results, head)
+    end_running_part_on_signals()
     failed = []
     for part in parts:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory() as tmp:
             report = Path(tmp) / "report.md"
             env = {**os.environ, REPORT_ENV: str(report)}
-            timed_out = False
-            try:
-                rc = subprocess.run(part.argv, cwd=ROOT, env=env, timeout=part.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc, timed_out = None, True
+            rc, timed_out = run_in_group(part.argv, env=env, timeout=part.timeout)
             text = report.read_text().strip() if report.exists() else ""
         secs = time.monotonic() - t0
         if rc == 0:

@@ -73,12 +73,10 @@ makes that part's process abort at its start (``NAME:hang``: hang there, beside 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -90,7 +88,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402  (no CUDA call at import time, here or in the parts' modules)
 
-from bench.gpu_check import _env_without_interpreter, _how_it_ended  # noqa: E402
+from bench.gpu_check import (_env_without_interpreter, _how_it_ended,  # noqa: E402
+                             end_running_part_on_signals, run_in_group)
 from bench.session_common import Skipped, nvidia_smi_clocks  # noqa: E402
 from bench.session_parts import (ncu_target, part_compile, part_convs, part_dali,  # noqa: E402
                                  part_dist, part_env, part_loader, part_ncu, part_pairs,
@@ -195,35 +194,6 @@ def rerun_command(name: str, args) -> str:
     return " ".join(["python3 bench/gpu_session.py --part", name, *common_argv(args)])
 
 
-_RUNNING: list = []  # the part's process now running (for the driver's signal handler)
-
-
-def _kill_group(proc) -> None:
-    """SIGKILL to ``proc``'s process group (its session's every process), then reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group has ended already
-        pass
-    proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In a part's process before it starts (Linux): SIGKILL when the driver dies, even by
-    SIGKILL (a device call cut off at its limit), so that no part outlives the session."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _on_signal(signum, _frame):
-    """SIGTERM / SIGHUP / SIGINT to the driver: the running part's whole group ends with it
-    (its lines so far are on disk already)."""
-    for proc in list(_RUNNING):
-        _kill_group(proc)
-    raise SystemExit(128 + signum)
-
-
 def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, float]:
     """(status, body, seconds) of one part run in its own process within ``timeout`` s."""
     t0 = time.monotonic()
@@ -238,19 +208,9 @@ def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, flo
             env[FAIL_ENV] = args.fail_part
         argv = [sys.executable, str(SCRIPT), "--one", name, "--out", str(out),
                 "--cap", f"{timeout:.0f}", *common_argv(args)]
-        timed_out = False
-        # a process group of its own: a timeout (or Ctrl-C) ends the part's torchrun ranks and
+        # a process group of its own: its end (or Ctrl-C) ends the part's torchrun ranks and
         # ncu's target too, which would otherwise hold the GPU through the later parts
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True,
-                                preexec_fn=_die_with_parent)
-        _RUNNING[:] = [proc]
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc, timed_out = None, True
-        finally:  # also when the part itself ended: what it started and left running
-            _kill_group(proc)
-            _RUNNING.clear()
+        rc, timed_out = run_in_group(argv, env=env, timeout=timeout)
         try:
             got = json.loads(report.read_text()) if report.exists() else {}
         except ValueError:
@@ -264,8 +224,7 @@ def run_part(name: str, args, out: Path, timeout: float) -> tuple[str, dict, flo
 
 
 def run_session(args) -> int:
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, _on_signal)
+    end_running_part_on_signals()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lines = out / LINES
