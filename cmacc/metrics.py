@@ -195,12 +195,24 @@ def model_flops_per_clip(model, video, audio) -> float:
     """Training FLOPs per clip: 3x the query encoders' forward (forward + backward) plus the
     key encoders' forward, counted on one clip with copies of the encoders in eval mode: the
     count is that of the convolutions and matmuls, and a train-mode BatchNorm refuses one clip
-    whose last map is 1x1x1 (deep stages on small clips)."""
+    whose last map is 1x1x1 (deep stages on small clips). The copies run on the meta device
+    (shapes only): on a GPU a real one-clip fp32 forward would cost cuDNN's autotuning of ~20
+    convolution shapes the training never uses; an encoder with an op that has no meta kernel
+    is counted on its real copy instead."""
     import copy
 
-    fv, fa = copy.deepcopy(model.f_v).eval(), copy.deepcopy(model.f_a).eval()
-    with torch.no_grad():
-        fwd = flops_of(lambda: fv(video[:1])) + flops_of(lambda: fa(audio[:1]))
+    def count(dev=None):
+        fv, fa = copy.deepcopy(model.f_v).eval(), copy.deepcopy(model.f_a).eval()
+        v, a = video[:1], audio[:1]
+        if dev is not None:
+            fv, fa, v, a = fv.to(dev), fa.to(dev), v.to(dev), a.to(dev)
+        with torch.no_grad():
+            return flops_of(lambda: fv(v)) + flops_of(lambda: fa(a))
+
+    try:
+        fwd = count("meta")
+    except (NotImplementedError, RuntimeError):
+        fwd = count()
     return 4.0 * fwd
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cmacc.config import method_configs
+from cmacc.config import PRESETS, method_configs
 from cmacc.encoders import AudioResNet1d, video_backbone
 from cmacc.model import CMACC, contrastive_loss
 from cmacc.queues import KeyPool, KeyQueue
@@ -578,3 +578,24 @@ def test_a_selection_step_has_no_data_dependent_op(sampler):
         select(sampler, pool_keys=keys, pool_index=index, dict_index=index[:7], queries=queries,
                feats=feats, m=6, seed=1)
     assert ops.names and not ops.names & _SYNCING, ops.names & _SYNCING
+
+
+@pytest.mark.parametrize("preset", ["tiny", "paper"])
+def test_the_flops_per_clip_counted_on_the_meta_device_equal_a_real_forwards(preset):
+    """cmacc.metrics.model_flops_per_clip counts on meta copies of the encoders (no real
+    forward: on a GPU it would autotune cuDNN for shapes the run never uses): the same count
+    as FlopCounterMode over a real one-clip forward of eval copies, x4 (3 query + 1 key)."""
+    import copy
+
+    from cmacc.data import train_loader
+    from cmacc.metrics import flops_of, model_flops_per_clip
+
+    cfg = PRESETS[preset].replace(data=dict(clips=8))
+    torch.manual_seed(0)
+    model = CMACC(cfg.model, cfg.selection)
+    batch = next(iter(train_loader(cfg.data, batch_size=4, seed=0)))
+    v, a = batch["video"], batch["audio"]
+    fv, fa = copy.deepcopy(model.f_v).eval(), copy.deepcopy(model.f_a).eval()
+    with torch.no_grad():
+        real = flops_of(lambda: fv(v[:1])) + flops_of(lambda: fa(a[:1]))
+    assert real > 0 and model_flops_per_clip(model, v, a) == 4 * real
