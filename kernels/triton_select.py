@@ -115,10 +115,11 @@ class SelectPlan:
                      if self.variant == "resident" else None)
         self._bind_pool(pool)
         self.graph, self.captures, self.replays, self.copies = None, 0, 0, 0
-        # compile, autotune and warm up outside any capture, over every row (zeros until the
-        # first run): with no valid row the race variants draw no index (2^31 - 1), and the
-        # gathers of a pool-bound plan would index out of range
-        self.n.fill_(capacity)
+        # compile, autotune and warm up outside any capture, over k valid rows (zeros until
+        # the first run): with no valid row the race variants draw no index (2^31 - 1), which
+        # a pool-bound plan's gathers would read out of range; with every row, the lazy race
+        # meets all-equal distances (its slowest case: minutes in the Triton interpreter)
+        self.n.fill_(k)
         self._launch()
         if graph if graph is not None else (dev.type == "cuda"
                                             and os.environ.get("CMACC_GRAPH", "1") == "1"):
