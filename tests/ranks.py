@@ -12,6 +12,7 @@ import os
 import queue as queue_mod
 import random
 import socket
+import sys
 import tempfile
 import threading
 
@@ -66,10 +67,28 @@ def run_ranks(fn, world: int = 2, timeout: float = 60, env: dict | None = None) 
     return out
 
 
+def _end_tqdm_monitor() -> None:
+    """tqdm's monitor thread, where a bar in this process started one: ended (joined, so it
+    holds no lock), and none started again."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    std.tqdm.monitor_interval = 0
+    monitor = getattr(std.tqdm, "monitor", None)
+    if monitor is not None:
+        monitor.exit()
+        std.tqdm.monitor = None
+
+
 def _run_ranks(fn, world, timeout, env) -> list:
     # a fork copies the locks that other threads hold at that moment, held, with no thread to
-    # release them: a rank then waits forever on the first one it takes (tqdm's, once)
-    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    # release them: a rank then waits forever on the first one it takes (tqdm's, once: its
+    # monitor thread, which torch.compile's first bar starts too, is ended here first). Idle
+    # workers of a thread pool (inductor's compile pool lives as long as the process) wait on
+    # their own queue, whose lock no rank takes.
+    _end_tqdm_monitor()
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()
+              and not t.name.startswith("ThreadPoolExecutor-")]
     assert not others, f"forking ranks beside live threads {others}: they could hang; end them first"
     ctx = mp.get_context("fork")
     queue = ctx.Queue()

@@ -24,6 +24,9 @@ def test_off_a_terminal_there_is_no_bar_and_no_thread(monkeypatch):
 
 
 def test_on_a_terminal_a_bar_is_drawn_unless_disabled_and_no_thread_is_left(monkeypatch):
+    from tqdm import tqdm
+
+    monkeypatch.setattr(tqdm, "monitor_interval", 10)  # tqdm's default (a test may have set 0)
     term = _Terminal()
     monkeypatch.setattr("sys.stderr", term)
     before = set(threading.enumerate())

@@ -288,3 +288,21 @@ def test_a_rank_that_hangs_is_reported_with_where_it_waits():
     with pytest.raises(AssertionError, match=r"(?s)ranks \[1\] gave no result in 4 s.*rank 1:.*"
                                              r"in rank_fn"):
         run_ranks(rank_fn, timeout=4)
+
+
+def test_ranks_fork_safely_after_a_tqdm_bar_elsewhere_in_the_process():
+    """A bar made elsewhere in the test process (torch.compile makes one) starts tqdm's
+    monitor thread; run_ranks ends it before forking, so no rank can copy tqdm's lock held."""
+    import threading
+
+    from tqdm import tqdm
+
+    monitor_interval = tqdm.monitor_interval
+    try:
+        tqdm.monitor_interval = 10
+        tqdm(range(2), disable=True)
+        assert any(t.name == "tqdm_monitor" for t in threading.enumerate())
+        assert run_ranks(lambda rank: rank) == [("ok", 0), ("ok", 1)]
+        assert not any(t.name == "tqdm_monitor" for t in threading.enumerate())
+    finally:
+        tqdm.monitor_interval = monitor_interval
