@@ -2,11 +2,13 @@
 (MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK): what ranks must agree on, tested in seconds
 without torchrun's start-up. Each rank returns ("ok", value) or ("error", "Type: line"); a rank
 that returns nothing within the timeout fails the test with its stack. Ranks are never forked
-beside another live thread (a fork would copy the locks it holds)."""
+beside another live thread (a fork would copy the locks it holds), and never collect the
+parent's garbage."""
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -98,8 +100,16 @@ def _run_ranks(fn, world, timeout, env) -> list:
         dump_at = max(timeout - 2, timeout / 2)
         procs = [ctx.Process(target=_child, args=(fn, r, world, env, queue, dumps[r], dump_at))
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        # the parent's garbage dies here, not in a rank: a DALI pipeline left by an earlier
+        # test, collected in a fork, waits in its __del__ for worker threads a fork does not
+        # copy (seen in CI); what remains is frozen, so no rank's collector ever visits it
+        gc.collect()
+        gc.freeze()
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            gc.unfreeze()
         out = {}
         try:
             for _ in range(world):
