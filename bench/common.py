@@ -81,8 +81,8 @@ def env_info(device: str) -> dict:
 def median_ms(fn, device: str, *, min_run_time: float = 1.0, rep_ms: int = 100) -> float:
     """Median time of one fn() call in milliseconds. CUDA: ``triton.testing.do_bench`` (its
     warm-up, L2 flush before each run, CUDA events; as many runs as fit in ``rep_ms``, at
-    least one: a 100 ms fn needs a larger ``rep_ms`` for a median of several). CPU: ``torch.utils.benchmark.Timer``'s
-    ``blocked_autorange`` on all of torch's threads (the first call sizes the blocks and warms
+    least one: a 100 ms fn needs a larger ``rep_ms`` for a median of several). CPU:
+    ``torch.utils.benchmark.Timer``'s ``blocked_autorange`` on all of torch's threads (the first call sizes the blocks and warms
     up; blocks run until ``min_run_time`` seconds are spent, so a slow fn runs twice)."""
     if device == "cuda":
         from triton.testing import do_bench

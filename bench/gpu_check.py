@@ -71,7 +71,7 @@ def _kill_group(proc) -> None:
     """SIGKILL to ``proc``'s process group (its session's every process), then reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group has ended already
+    except (ProcessLookupError, PermissionError):  # no process of the group is left (ours)
         pass
     proc.wait()
 

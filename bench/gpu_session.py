@@ -9,7 +9,8 @@ Written for a machine with torch and triton but no package index (it never insta
 and flushed (fsync) AS EACH PART ENDS; each part runs in a process of its own (as in
 bench/gpu_check.py), so a part that raises, crashes the interpreter or hangs past its time cap
 costs only its own line, and a call cut off at its time limit loses nothing already written.
-A part's process leads a process group of its own, killed whole at the part's cap.
+A part's process leads a process group of its own, killed whole when the part ends, however
+it ended, and with the driver.
 
 Lines, in this order (``part`` names each; docs/GPU.md, "The prepared GPU session", lists
 every key):

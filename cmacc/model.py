@@ -275,8 +275,9 @@ class CMACC(nn.Module):
         step waited). They run again with the step's queries, features, m and seeds, against
         the pools and dictionaries as the step left them (its picks enqueued: the same sizes,
         a few candidates changed), on their own stream, once the device has finished its
-        queued work: a host sync, for a log row, never inside a step. The picks are discarded and nothing the run reads changes (the plan's output
-        buffers are rewritten before their next use). 0.0 if no step has selected yet."""
+        queued work: a host sync, for a log row, never inside a step. The picks are discarded
+        and nothing the run reads changes (the plan's output buffers are rewritten before their
+        next use). 0.0 if no step has selected yet."""
         if self._last_select is None:
             return 0.0
         q_a, h_a, q_v, h_v, m, step = self._last_select
