@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +165,17 @@ def _running(pid: int) -> bool:
     return state != "Z"  # (a zombie has ended: its new parent has not reaped it yet)
 
 
+def _ended(pid: int, within: float = 5.0) -> bool:
+    """Whether ``pid`` has ended, or ends within ``within`` s: a SIGKILL sent to its group is
+    delivered, not yet acted on, when killpg returns."""
+    deadline = time.monotonic() + within
+    while _running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_a_part_ends_with_every_process_it_started(tmp_path):
     """A part that does not finish within its cap, or that fails leaving a child running (its
     own subprocess timed out: the dist part's torchrun ranks, ncu's target), ends with every
@@ -174,12 +186,12 @@ def test_a_part_ends_with_every_process_it_started(tmp_path):
     args = argparse.Namespace(dry_run=True, fail_part="loader:hang", pairs=3, dali_manifest=None)
     status, body, secs = gs.run_part("loader", args, tmp_path, timeout=10)
     assert status == "failed" and body["how"] == "did not finish within 10 s (killed)", body
-    assert not _running(body["partial"]["child_pid"])
+    assert _ended(body["partial"]["child_pid"])
     assert secs < 30
     args.fail_part = "loader:orphan"
     status, body, secs = gs.run_part("loader", args, tmp_path, timeout=60)
     assert status == "failed" and body["how"] == "failed (exit status 1)", body
-    assert not _running(body["partial"]["child_pid"])
+    assert _ended(body["partial"]["child_pid"])
     assert secs < 30
 
 
