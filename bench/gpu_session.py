@@ -139,7 +139,8 @@ PARTS = {  # in the order they run: the most valuable first
         "kernels_csv", "kernel_count", "kernel_ms_per_step", "top20", "ranges", "ranges_missing",
         "other_ranges", "run")),
     "convs": Spec(part_convs, 75, 30, (
-        "dtype", "batch", "input", "layout", "flops", "layers", "encoder", "peak_tflops")),
+        "dtype", "batch", "input", "layout", "flops", "layers", "encoder", "stem",
+        "peak_tflops")),
     "loader": Spec(part_loader, 50, 20, (
         "batch", "clips", "make_s", "batch_mb", "batches", "gather_ms", "pin_ms", "h2d_ms",
         "h2d_gb_s", "serial_batches_per_s", "prefetch", "prefetch_batches_per_s",
@@ -188,6 +189,7 @@ def common_argv(args) -> list[str]:
     out = ["--dry-run"] if args.dry_run else []
     out += ["--pairs", str(args.pairs)] if args.pairs != 3 else []
     out += ["--dali-manifest", args.dali_manifest] if args.dali_manifest else []
+    out += ["--ncu-engine", args.ncu_engine] if args.ncu_engine else []
     return out
 
 
@@ -329,6 +331,10 @@ def main(argv=None) -> int:
                    help="pairs part: alternating random / active pairs (default 3)")
     p.add_argument("--dali-manifest", metavar="CSV",
                    help="dali part: clips prepared elsewhere (cmacc-prepare's manifest.csv)")
+    p.add_argument("--ncu-engine", metavar="FACTORS:VARIANT",
+                   help="ncu part: profile the selection with these factors (fp32, bf16) and "
+                        "k-means++ variant (steps, persistent, lazy, resident) instead of the "
+                        "paper preset's (e.g. bf16:resident)")
     p.add_argument("--dry-run", action="store_true",
                    help="every part on the CPU at tiny sizes: the lines, not the figures")
     p.add_argument("--fail-part", choices=(*PARTS, *(f"{n}:{how}" for n in PARTS
@@ -340,6 +346,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.pairs < 1 or args.budget_s <= 0:
         p.error("--pairs must be >= 1 and --budget-s > 0")
+    if args.ncu_engine:
+        factors, _, variant = args.ncu_engine.partition(":")
+        from cmacc.config import SELECT_FACTORS
+        from kernels.triton_kmeanspp import VARIANTS
+
+        if factors not in SELECT_FACTORS or variant not in VARIANTS:
+            p.error(f"--ncu-engine {args.ncu_engine!r}: FACTORS:VARIANT with FACTORS one of "
+                    f"{SELECT_FACTORS} and VARIANT one of {VARIANTS} (e.g. bf16:resident)")
     if args.dali_manifest:  # the parts run from the repository root, not from here
         args.dali_manifest = str(Path(args.dali_manifest).resolve())
     args.out = str(Path(args.out).resolve())

@@ -264,7 +264,7 @@ def part_convs(args, report) -> dict:
     import torch.nn.functional as F
 
     from cmacc.config import PRESETS
-    from cmacc.encoders import Encoder, video_backbone
+    from cmacc.encoders import ChannelPaddedConv3d, Encoder, video_backbone
     from cmacc.metrics import flops_of, peak_flops
 
     sz, dev = sizes(args), sizes(args).device
@@ -299,6 +299,7 @@ def part_convs(args, report) -> dict:
     encoder.train()
     peak = peak_flops(dev) if cuda else None
     modes = {}
+    pad_default = ChannelPaddedConv3d.pad_to
     for bench in (False, True):
         torch.backends.cudnn.benchmark = bench
         tag = "on" if bench else "off"
@@ -341,6 +342,18 @@ def part_convs(args, report) -> dict:
                                           for lay in layers))
         if peak:
             modes[tag]["of_peak"] = enc_gflop * 1e9 / (ms / 1e3) / peak
+        if bench:  # the encoder again with the stem's channel padding off (cuDNN autotuned)
+            ChannelPaddedConv3d.pad_to = 1
+            try:
+                ms = bench_ms(step, dev, rep_ms=1000)
+            finally:
+                ChannelPaddedConv3d.pad_to = pad_default
+            encoder.zero_grad(set_to_none=True)
+            modes["on_stem_unpadded"] = dict(ms=ms, tflops=enc_gflop / ms)
+            modes["stem_padding_speedup"] = ms / modes["on"]["ms"]
+            report(encoder=modes)
+    torch.backends.cudnn.benchmark = True
+    stem = _stem_rows(layers[0], dev, dtype)
     torch.backends.cudnn.benchmark = False
     return dict(dtype=str(dtype).split(".")[-1], batch=sz.conv_batch, input=list(shape),
                 layout="channels_last_3d",
@@ -348,8 +361,51 @@ def part_convs(args, report) -> dict:
                       "+ input grad (1x fwd, not for the stem); TFLOP/s = FLOPs / time",
                 layers=layers, encoder=dict(arch=mc.video_arch, gflop_fwd_bwd=enc_gflop,
                                             flops="3 x FlopCounterMode forward of one clip x "
-                                                  "batch", **modes),
-                peak_tflops=peak / 1e12 if peak else None)
+                                                  "batch", stem_pad_to=pad_default, **modes),
+                stem=stem, peak_tflops=peak / 1e12 if peak else None)
+
+
+STEM_PADS = (3, 4, 8)  # the stem's input channels: RGB as is, padded to 4 and to 8
+
+
+def _stem_rows(layer: dict, dev: str, dtype) -> list[dict]:
+    """The stem's convolution (cuDNN autotuned) with its 3 input channels zero-padded to each of
+    STEM_PADS, channels-last, and once in NCDHW: forward and weight-gradient ms (TFLOP/s of the
+    unpadded FLOPs) and the largest difference from the unpadded output, relative to its
+    largest magnitude (the padded channels add zeros: rounding only)."""
+    import torch.nn.functional as F
+
+    cl = torch.channels_last_3d
+    n, cin, *spatial = layer["in_shape"]
+    conv = dict(stride=layer["stride"], padding=layer["padding"], dilation=layer["dilation"])
+    torch.manual_seed(0)
+    x3 = torch.randn(layer["in_shape"], device=dev, dtype=dtype)
+    w3 = torch.randn(layer["out_channels"], cin, *layer["kernel"], device=dev, dtype=dtype)
+    ref = None
+    rows = []
+    for pad, fmt in [(c, "channels_last") for c in STEM_PADS] + [(cin, "ncdhw")]:
+        mf = cl if fmt == "channels_last" else torch.contiguous_format
+        x = F.pad(x3, (0, 0, 0, 0, 0, 0, 0, pad - cin)).contiguous(memory_format=mf)
+        w = F.pad(w3, (0, 0, 0, 0, 0, 0, 0, pad - cin)).contiguous(memory_format=mf)
+        y = F.conv3d(x, w, None, **conv)
+        gy = torch.randn_like(y)
+
+        def bwd(gy=gy, x=x, w=w):
+            return torch.ops.aten.convolution_backward(
+                gy, x, w, None, list(conv["stride"]), list(conv["padding"]),
+                list(conv["dilation"]), False, [0, 0, 0], 1, [False, True, False])
+
+        fwd_ms = bench_ms(lambda x=x, w=w: F.conv3d(x, w, None, **conv), dev)
+        bwd_ms = bench_ms(bwd, dev)
+        yf = y.float()
+        if ref is None:
+            ref = yf
+        rows.append(dict(channels=pad, layout=fmt, fwd_ms=fwd_ms, wgrad_ms=bwd_ms,
+                         fwd_tflops=layer["gflop_fwd"] / fwd_ms,
+                         wgrad_tflops=layer["gflop_fwd"] / bwd_ms,
+                         max_rel_diff=float((yf - ref).abs().max() / ref.abs().max())))
+        del x, w, y, gy, yf
+    return rows
 
 
 def part_loader(args, report) -> dict:
@@ -653,10 +709,12 @@ def ncu_target(args) -> int:
                    cfg.model.fcl_dim)
     keys, queries, feats = _pool(n, m, d, dh, torch.Generator().manual_seed(0), sz.device)
     sel = cfg.selection
+    factors, variant = sel.factors, sel.kmeans_variant
+    if args.ncu_engine:  # checked by the driver's parser
+        factors, _, variant = args.ncu_engine.partition(":")
     plan = ts.SelectPlan(n, m, d, dh, m, view=sel.grad_view, tau=sel.tau_p,
-                         precision=sel.precision, factors=sel.factors,
-                         variant=sel.kmeans_variant, device=sz.device, keys_buffer=keys,
-                         graph=False)
+                         precision=sel.precision, factors=factors, variant=variant,
+                         device=sz.device, keys_buffer=keys, graph=False)
     sync(sz.device)
     cuda = torch.device(sz.device).type == "cuda"
     if cuda:
@@ -687,7 +745,8 @@ def part_ncu(args, report) -> dict:
         raise Skipped("ncu is not on PATH")
     out = Path(args.out)
     rep = out / "ncu_selection"
-    target = [sys.executable, str(DRIVER), "--ncu-target"] + (["--dry-run"] * args.dry_run)
+    target = ([sys.executable, str(DRIVER), "--ncu-target"] + (["--dry-run"] * args.dry_run)
+              + (["--ncu-engine", args.ncu_engine] if args.ncu_engine else []))
     cmd = [exe, "--target-processes", "all", "--clock-control", "none", "--set", "basic",
            "--profile-from-start", "off", "--kernel-name", NCU_KERNELS,
            "--launch-count", str(NCU_LAUNCHES), "-f", "-o", str(rep), *target]
@@ -711,5 +770,5 @@ def part_ncu(args, report) -> dict:
     if not kernels:
         raise PartFailed("ncu profiled no kernel: " + " | ".join(said[-3:] or ["(no ncu lines)"]))
     return dict(command=shlex.join(cmd[1:-len(target)] + ["python3", "bench/gpu_session.py",
-                                                          "--ncu-target"]),
+                                                          *target[2:]]),
                 report=rep_file.name, csv="ncu_selection.csv", kernels=kernels)
