@@ -405,6 +405,49 @@ def _stem_rows(layer: dict, dev: str, dtype) -> list[dict]:
                          wgrad_tflops=layer["gflop_fwd"] / bwd_ms,
                          max_rel_diff=float((yf - ref).abs().max() / ref.abs().max())))
         del x, w, y, gy, yf
+    if layer["stride"][0] == 1 and layer["dilation"] == (1, 1, 1):
+        rows += _stem_fold_rows(layer, x3, w3, ref, dev)
+    return rows
+
+
+def _stem_fold_rows(layer, x3, w3, ref, dev) -> list[dict]:
+    """The stem as a 2-D convolution of each frame (kT frames x 3 channels folded into the
+    input channels, zero-padded to 16): forward, the fold itself, and weight-gradient ms."""
+    import torch.nn.functional as F
+
+    kt = layer["kernel"][0]
+    pt = layer["padding"][0]
+    b, c, t, h, w = x3.shape
+    conv = dict(stride=layer["stride"][1:], padding=layer["padding"][1:])
+    rows = []
+    for width in (12, 16):
+        def fold(x3=x3, width=width):
+            xp = F.pad(x3, (0, 0, 0, 0, pt, pt))  # [B, C, T + 2 pt, H, W]
+            win = xp.unfold(2, kt, 1)[:, :, :t]  # [B, C, T, H, W, kT]
+            out = x3.new_zeros((b, t, h, w, width))
+            out[..., :kt * c] = win.permute(0, 2, 3, 4, 5, 1).reshape(b, t, h, w, kt * c)
+            return out.view(b * t, h, w, width).permute(0, 3, 1, 2)  # NCHW view, NHWC storage
+        x = fold()
+        wt = w3.permute(0, 2, 1, 3, 4).reshape(w3.shape[0], kt * c, *w3.shape[3:])
+        wt = F.pad(wt, (0, 0, 0, 0, 0, width - kt * c)).contiguous(
+            memory_format=torch.channels_last)
+        y = F.conv2d(x, wt, None, **conv)  # [B T, O, Ho, Wo]
+        gy = torch.randn_like(y)
+
+        def bwd(gy=gy, x=x, wt=wt):
+            return torch.ops.aten.convolution_backward(
+                gy, x, wt, None, list(conv["stride"]), list(conv["padding"]), [1, 1], False,
+                [0, 0], 1, [False, True, False])
+
+        fwd_ms = bench_ms(lambda x=x, wt=wt: F.conv2d(x, wt, None, **conv), dev)
+        fold_ms = bench_ms(fold, dev)
+        bwd_ms = bench_ms(bwd, dev)
+        yf = y.float().view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+        rows.append(dict(channels=width, layout="fold2d_nhwc", fwd_ms=fwd_ms, fold_ms=fold_ms,
+                         wgrad_ms=bwd_ms, fwd_tflops=layer["gflop_fwd"] / fwd_ms,
+                         wgrad_tflops=layer["gflop_fwd"] / bwd_ms,
+                         max_rel_diff=float((yf - ref).abs().max() / ref.abs().max())))
+        del x, y, gy, yf
     return rows
 
 
