@@ -135,7 +135,8 @@ PARTS = {  # in the order they run: the most valuable first
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),
     "profile": Spec(part_profile, 90, 40, (
-        "steps", "wall_ms_per_step", "all_threads", "what", "trace", "trace_bytes", "trace_holds",
+        "steps", "wall_ms_per_step", "ops_by_shape", "all_threads", "what", "trace",
+        "trace_bytes", "trace_holds",
         "kernels_csv", "kernel_count", "kernel_ms_per_step", "top20", "ranges", "ranges_missing",
         "other_ranges", "run")),
     "convs": Spec(part_convs, 75, 30, (

@@ -157,10 +157,10 @@ def part_profile(args, report) -> dict:
     try:  # the prefetch thread's ranges (gather, pin, h2d) are on another thread
         from torch._C._profiler import _ExperimentalConfig
 
-        prof = profile(activities=acts, experimental_config=_ExperimentalConfig(
-            profile_all_threads=True))
+        prof = profile(activities=acts, record_shapes=True,
+                       experimental_config=_ExperimentalConfig(profile_all_threads=True))
     except (ImportError, TypeError):
-        prof, all_threads = profile(activities=acts), False
+        prof, all_threads = profile(activities=acts, record_shapes=True), False
     n = sz.profile_steps
     state = dict(calls=0, t0=None, wall=None, done=False)
 
@@ -225,7 +225,8 @@ def part_profile(args, report) -> dict:
                     "mean_us" if cuda else "mean_cpu_us"])
         w.writerows([[n_, c, f"{t:.1f}", f"{m:.2f}"] for n_, c, t, m in table])
     total_us = sum(r[2] for r in table)
-    return dict(steps=n, wall_ms_per_step=1e3 * state["wall"] / n,
+    return dict(steps=n, wall_ms_per_step=1e3 * state["wall"] / n, ops_by_shape=_ops_by_shape(
+                    prof, n, cuda),
                 all_threads=all_threads, what="CUDA kernels and memory copies" if cuda else
                 "CPU operators (dry run: no kernels)", trace=trace, trace_bytes=trace_bytes,
                 trace_holds=trace_what, kernels_csv="profile_kernels.csv",
@@ -237,6 +238,19 @@ def part_profile(args, report) -> dict:
                         for k, v in ranges.items()},
                 ranges_missing=[r for r in RANGES if r not in ranges],
                 other_ranges=sorted(others)[:40], run=run)
+
+
+def _ops_by_shape(prof, steps: int, cuda: bool, top: int = 25) -> list[dict]:
+    """The operators that launched the most device time of their own (CPU time in the dry
+    run), by operator and input shapes and dtypes: what a kernel class of ``top20`` was run on
+    (which tensors the copies copy, which BatchNorms)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        own = _device_us(e, self_only=True) if cuda else float(e.self_cpu_time_total)
+        if own > 0:
+            rows.append(dict(name=e.key, input_shapes=str(e.input_shapes)[:300],
+                             calls_per_step=e.count / steps, own_ms_per_step=own / 1e3 / steps))
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
 
 
 def _conv_layers(backbone, x) -> list[dict]:
@@ -264,7 +278,7 @@ def part_convs(args, report) -> dict:
     import torch.nn.functional as F
 
     from cmacc.config import PRESETS
-    from cmacc.encoders import ChannelPaddedConv3d, Encoder, video_backbone
+    from cmacc.encoders import Encoder, StemConv3d, declared_stem, video_backbone
     from cmacc.metrics import flops_of, peak_flops
 
     sz, dev = sizes(args), sizes(args).device
@@ -295,11 +309,12 @@ def part_convs(args, report) -> dict:
     encoder = Encoder(video_backbone(mc.video_arch, mc.video_width, mc.video_layers), mc.dim,
                       mc.fcl_dim if mc.fcl else None).to(dev).to(memory_format=cl)
     clip = torch.randn(shape, device=dev).contiguous(memory_format=cl)
-    enc_gflop = 3 * flops_of(lambda: encoder.eval()(clip[:1])) * sz.conv_batch / 1e9
+    with declared_stem():  # the model's FLOPs, not the padded or folded stem's
+        enc_gflop = 3 * flops_of(lambda: encoder.eval()(clip[:1])) * sz.conv_batch / 1e9
+    stem_default = StemConv3d.mode
     encoder.train()
     peak = peak_flops(dev) if cuda else None
     modes = {}
-    pad_default = ChannelPaddedConv3d.pad_to
     for bench in (False, True):
         torch.backends.cudnn.benchmark = bench
         tag = "on" if bench else "off"
@@ -342,16 +357,17 @@ def part_convs(args, report) -> dict:
                                           for lay in layers))
         if peak:
             modes[tag]["of_peak"] = enc_gflop * 1e9 / (ms / 1e3) / peak
-        if bench:  # the encoder again with the stem's channel padding off (cuDNN autotuned)
-            ChannelPaddedConv3d.pad_to = 1
-            try:
-                ms = bench_ms(step, dev, rep_ms=1000)
-            finally:
-                ChannelPaddedConv3d.pad_to = pad_default
-            encoder.zero_grad(set_to_none=True)
-            modes["on_stem_unpadded"] = dict(ms=ms, tflops=enc_gflop / ms)
-            modes["stem_padding_speedup"] = ms / modes["on"]["ms"]
-            report(encoder=modes)
+        if bench:  # the encoder again with the stem's other forms (cuDNN autotuned)
+            for other in ("pad", "off"):
+                StemConv3d.mode = other
+                try:
+                    ms = bench_ms(step, dev, rep_ms=1000)
+                finally:
+                    StemConv3d.mode = stem_default
+                encoder.zero_grad(set_to_none=True)
+                modes[f"on_stem_{other}"] = dict(ms=ms, tflops=enc_gflop / ms,
+                                                 speedup_of_default=ms / modes["on"]["ms"])
+                report(encoder=modes)
     torch.backends.cudnn.benchmark = True
     stem = _stem_rows(layers[0], dev, dtype)
     torch.backends.cudnn.benchmark = False
@@ -361,7 +377,7 @@ def part_convs(args, report) -> dict:
                       "+ input grad (1x fwd, not for the stem); TFLOP/s = FLOPs / time",
                 layers=layers, encoder=dict(arch=mc.video_arch, gflop_fwd_bwd=enc_gflop,
                                             flops="3 x FlopCounterMode forward of one clip x "
-                                                  "batch", stem_pad_to=pad_default, **modes),
+                                                  "batch", stem=stem_default, **modes),
                 stem=stem, peak_tflops=peak / 1e12 if peak else None)
 
 

@@ -18,6 +18,7 @@ the architecture, width and depth).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import re
 from pathlib import Path
@@ -35,41 +36,102 @@ VIDEO_ARCHS = ("r3d_18", "r2plus1d_18")
 # ----------------------------------------------------------------------------------------------
 # Video backbones
 # ----------------------------------------------------------------------------------------------
-class ChannelPaddedConv3d(nn.Conv3d):
-    """The stem's Conv3d: on CUDA its forward pads the input channels (3: RGB) with zero
-    channels to a multiple of ``pad_to``, the weight likewise, so that cuDNN runs a tensor-core
-    kernel (its channels-last kernels for 3 input channels ran at 14 TFLOP/s on an H200: about
-    a tenth of a paper-preset step; bench/RESULTS.md). The zero channels add exact zeros: the
-    result is the same convolution. Parameters and state dict are nn.Conv3d's (export and
-    loading are unchanged); on the CPU, and with ``pad_to`` = 1, it is nn.Conv3d."""
+class StemConv3d(nn.Conv3d):
+    """The video stem's Conv3d (RGB in), run on CUDA in the form cuDNN is fast at:
 
-    pad_to = 8  # the session's convs part measures 3 (off), 4 and 8 (bench/gpu_session.py)
+    - ``mode = "fold"`` (kernel depth kT > 1, temporal stride 1: r3d_18's 3x7x7 stem): each
+      output frame is a 2-D convolution over the kT input frames it sees, their kT x 3 values
+      folded into the input channels and zero-padded to ``fold_width(kT x 3)`` (9 -> 16), in
+      channels-last storage; the weight [O, 3, kT, kH, kW] becomes [O, kT x 3 (+ zeros), kH, kW].
+      Frames outside the clip are zeros, as the temporal padding's.
+    - ``mode = "pad"`` (and for stems with kT = 1, r2plus1d_18's): the 3 input channels
+      zero-padded to ``pad_to``, still a 3-D convolution.
+
+    Both compute the same convolution (zeros add exact zeros; only the summation order
+    differs). On an H200, bf16, batch 128 x 16 x 112 x 112 (bench/RESULTS.md): forward 25.5 ms
+    with 3 channels-last channels, 9.4 ms padded to 8, 3.1 ms folded (+ 1.7 ms to fold); weight
+    gradient 6.1 / 5.7 / 3.2 ms. Parameters and state dict are nn.Conv3d's (export and loading
+    are unchanged); on the CPU, and with ``mode = "off"``, it is nn.Conv3d."""
+
+    mode = "fold"  # "fold", "pad" or "off" (bench/gpu_session.py's convs part times each)
+    pad_to = 8
 
     def forward(self, x):
-        if not x.is_cuda or self.groups != 1 or self.in_channels % self.pad_to == 0:
+        if (not x.is_cuda or self.mode == "off" or self.groups != 1 or x.dim() != 5
+                or self.padding_mode != "zeros" or isinstance(self.padding, str)):
             return super().forward(x)
-        return self.padded_forward(x)
+        if self.mode == "fold" and self.foldable():
+            return self.folded_forward(x)
+        if self.in_channels % self.pad_to:
+            return self.padded_forward(x)
+        return super().forward(x)
+
+    def foldable(self) -> bool:
+        return self.kernel_size[0] > 1 and self.stride[0] == 1 and self.dilation[0] == 1
+
+    @staticmethod
+    def _dtype(x):
+        # cast once here, not again by autocast on the wider copy
+        return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+
+    def folded_forward(self, x):
+        """The folded 2-D convolution on any device (the tests run it on the CPU)."""
+        b, c, t, h, w = x.shape
+        kt, pt = self.kernel_size[0], self.padding[0]
+        t_out = t + 2 * pt - kt + 1
+        width = fold_width(kt * c)
+        folded = x.new_zeros((b, t_out, h, w, width), dtype=self._dtype(x))  # NHWC frames
+        for j in range(kt):  # tap j of output frame s reads input frame s + j - pt
+            lo, hi = max(0, pt - j), min(t_out, t + pt - j)
+            if lo < hi:
+                folded[:, lo:hi, :, :, j * c:(j + 1) * c] = \
+                    x[:, :, lo + j - pt:hi + j - pt].permute(0, 2, 3, 4, 1)
+        weight = self.weight.permute(0, 2, 1, 3, 4).reshape(self.out_channels, kt * c,
+                                                           *self.kernel_size[1:])
+        weight = F.pad(weight, (0, 0, 0, 0, 0, width - kt * c)).contiguous(
+            memory_format=torch.channels_last)
+        y = F.conv2d(folded.view(b * t_out, h, w, width).permute(0, 3, 1, 2), weight,
+                     self.bias, self.stride[1:], self.padding[1:], self.dilation[1:])
+        # [B T, O, Ho, Wo] (NHWC storage) -> [B, O, T, Ho, Wo] (channels_last_3d storage)
+        y = y.permute(0, 2, 3, 1).reshape(b, t_out, *y.shape[2:], y.shape[1])
+        return y.permute(0, 4, 1, 2, 3)
 
     def padded_forward(self, x):
-        """The padded convolution on any device (the tests run it on the CPU)."""
+        """The channel-padded 3-D convolution on any device (the tests run it on the CPU)."""
         c = self.in_channels
         p = -c % self.pad_to
-        dtype = (torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda")
-                 else x.dtype)  # cast once here, not again by autocast on the wider copy
         b, _, t, h, w = x.shape
-        wide = x.new_zeros((b, t, h, w, c + p), dtype=dtype)  # channels-last storage
+        wide = x.new_zeros((b, t, h, w, c + p), dtype=self._dtype(x))  # channels-last storage
         wide[..., :c] = x.permute(0, 2, 3, 4, 1)
         weight = F.pad(self.weight, (0, 0, 0, 0, 0, 0, 0, p)).contiguous(
             memory_format=torch.channels_last_3d)
         return self._conv_forward(wide.permute(0, 4, 1, 2, 3), weight, self.bias)
 
 
-def pad_stem_channels(backbone: nn.Module) -> nn.Module:
-    """``backbone`` with its stem's first Conv3d made a ChannelPaddedConv3d (the same
-    parameters, in place); returns it."""
+@contextlib.contextmanager
+def declared_stem():
+    """Within: every StemConv3d runs as the nn.Conv3d it declares (FLOP counts of the model,
+    not of its padded or folded stem)."""
+    mode = StemConv3d.mode
+    StemConv3d.mode = "off"
+    try:
+        yield
+    finally:
+        StemConv3d.mode = mode
+
+
+def fold_width(channels: int) -> int:
+    """Input channels of the folded stem: ``channels`` rounded up to a multiple of 8, at least
+    16 (9 -> 16: measured faster than 12 on an H200)."""
+    return max(16, -(-channels // 8) * 8)
+
+
+def fast_stem(backbone: nn.Module) -> nn.Module:
+    """``backbone`` with its stem's first Conv3d made a StemConv3d (the same parameters, in
+    place); returns it."""
     conv = backbone.stem[0]
     if type(conv) is nn.Conv3d:
-        conv.__class__ = ChannelPaddedConv3d
+        conv.__class__ = StemConv3d
     return backbone
 
 
@@ -132,8 +194,8 @@ def video_backbone(arch: str = "r3d_18", width: int = 64, layers=(2, 2, 2, 2)) -
         net = (r3d_18 if arch == "r3d_18" else r2plus1d_18)(weights=None)
         net.out_dim = net.fc.in_features
         net.fc = nn.Identity()
-        return pad_stem_channels(net)
-    return pad_stem_channels(_ScaledVideoResNet(arch, width, layers))
+        return fast_stem(net)
+    return fast_stem(_ScaledVideoResNet(arch, width, layers))
 
 
 def backbone_features(width: int, layers) -> int:

@@ -201,12 +201,14 @@ def model_flops_per_clip(model, video, audio) -> float:
     is counted on its real copy instead."""
     import copy
 
+    from .encoders import declared_stem
+
     def count(dev=None):
         fv, fa = copy.deepcopy(model.f_v).eval(), copy.deepcopy(model.f_a).eval()
         v, a = video[:1], audio[:1]
         if dev is not None:
             fv, fa, v, a = fv.to(dev), fa.to(dev), v.to(dev), a.to(dev)
-        with torch.no_grad():
+        with torch.no_grad(), declared_stem():
             return flops_of(lambda: fv(v)) + flops_of(lambda: fa(a))
 
     try:

@@ -65,7 +65,7 @@ class SelectPlan:
             raise ValueError(f"select: k={k} must be in [1, capacity={capacity}]")
         dev = torch.device(device)
         if variant == "auto":  # the one measured fastest here (plan_for resolves it first)
-            variant = auto_variant(capacity, dev)
+            variant = _auto(capacity, m, d, dh, view, factors, dev)
         self.capacity, self.m, self.k, self.view, self.tau = capacity, m, k, view, float(tau)
         self.precision, self.variant, self.device = ge.precision_of(precision), variant, dev
         head = view == "head"
@@ -272,6 +272,13 @@ def resident_fits(capacity: int, m: int, d: int, dh: int | None = None, *, view:
     return rs.resident_config(capacity, a, b, FACTOR_DTYPES[factors], sms) is not None
 
 
+def _auto(capacity, m, d, dh, view, factors, device) -> str:
+    """auto_variant for a plan of these sizes (whether its pool fits on chip, if it matters)."""
+    fit = (factors == "bf16" and torch.device(device).type == "cuda"
+           and resident_fits(capacity, m, d, dh, view=view, factors=factors, device=device))
+    return auto_variant(capacity, device, factors=factors, resident_fit=fit)
+
+
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 
 
@@ -289,23 +296,34 @@ def clear_plans() -> None:
 
 
 # The k-means++ variant a plan runs for variant "auto" (the trainer's default): the one measured
-# fastest on that device at the pool's capacity; all variants draw the same picks, so the
-# choice changes time only. Measured (bench/RESULTS.md, "GPU check on an H200, 2026-11-27", one
-# dictionary, k = M, a bound plan from its graph): the lazy race is ahead of the per-step
-# variant from N = 38,400 (1.78 / 1.60 against 2.73 / 2.62 ms at M = 128; 3.0-3.3x at 153,600;
-# 1.5x at M = 512 and 4,096 with N = 300 M) and behind it at 9,600 (1.35 against 0.93 ms).
+# fastest on that device at the pool's capacity and factor storage; all variants draw the same
+# picks, so the choice changes time only. Measured on an H200 (bench/RESULTS.md, one
+# dictionary, k = M = 128, a bound plan replayed from its graph):
+# - fp32 factors: the lazy race is ahead of the per-step variant from N = 38,400 (1.60 against
+#   2.65 ms, 2026-11-28; 3.0-3.3x at 153,600 and 1.5x at M = 512 and 4,096 with N = 300 M,
+#   2026-11-27) and behind it at 9,600 (1.35 against 0.93 ms);
+# - bf16 factors at N = 38,400 (2026-11-28): resident 0.94 ms, per-step 1.48, lazy 1.62,
+#   persistent 1.75: the resident variant where the pool fits on chip, else the fp32 rule.
 # Device names not listed (an H100: not measured yet) run the per-step variant, as before;
 # bench/gpu_session.py's select part measures every variant on the card it is given.
 LAZY_FROM = {"H200": 38_400}  # device name contains key -> the lazy race from this capacity on
+RESIDENT_FROM = {"H200": 38_400}  # ... -> bf16 factors: resident from this capacity, if it fits
 
 
-def auto_variant(capacity: int, device) -> str:
-    """``variant="auto"``: "lazy" where it was measured faster on this device for pools of this
-    capacity (``LAZY_FROM``), else "steps" (unmeasured devices, the CPU)."""
+def auto_variant(capacity: int, device, *, factors: str = "fp32",
+                 resident_fit: bool = False) -> str:
+    """``variant="auto"``: with bf16 factors, "resident" where it was measured fastest on this
+    device for pools of this capacity (``RESIDENT_FROM``) and ``resident_fit`` (the pool fits
+    on chip: ``resident_fits``); else "lazy" where the lazy race was measured faster
+    (``LAZY_FROM``); else "steps" (unmeasured devices, the CPU)."""
     device = torch.device(device)
     if device.type != "cuda":
         return "steps"
     name = torch.cuda.get_device_name(device)
+    if factors == "bf16" and resident_fit:
+        for model, from_n in RESIDENT_FROM.items():
+            if model in name and capacity >= from_n:
+                return "resident"
     for model, from_n in LAZY_FROM.items():
         if model in name and capacity >= from_n:
             return "lazy"
@@ -328,10 +346,10 @@ def plan_for(keys, queries, feats, k, *, n=None, tau=1.0, view="head", precision
     ``pool`` (pool_index, dict_index): the index buffers a ``run_pool`` plan reads in place."""
     reference._check_grad_embed_args(keys, queries, feats, tau, view)
     cap = keys.shape[0] if n is not None else _capacity_for(keys.shape[0])
-    if variant == "auto":
-        variant = auto_variant(cap, keys.device)
     m, d = queries.shape
     dh = feats.shape[1] if (view == "head") else d
+    if variant == "auto":
+        variant = _auto(cap, m, d, dh, view, factors, keys.device)
     bound = keys if n is not None else None
     key = (cap, m, d, dh, k, view, float(tau), ge.precision_of(precision), factors, variant,
            str(keys.device), keys.dtype, None if bound is None else bound.data_ptr(),

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -81,6 +83,8 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     prof = by["profile"]
     assert (out / prof["trace"]).is_file() and (out / prof["kernels_csv"]).is_file()
     assert prof["top20"] and set(prof["ranges"]) | set(prof["ranges_missing"]) == set(sp.RANGES)
+    assert any(r["name"] == "aten::native_batch_norm" and r["input_shapes"].startswith("[[")
+               for r in prof["ops_by_shape"])  # operators with their input shapes
     assert by["convs"]["layers"][0]["input_grad"] is False  # the stem: no input gradient
     assert all(f"{w}_ms_{m}" in lay for lay in by["convs"]["layers"] for w in ("fwd", "bwd")
                for m in ("off", "on"))
@@ -89,6 +93,12 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
         assert abs(lay["fwd_tflops_on"] * 1e12 * lay["fwd_ms_on"] / 1e3
                    - lay["gflop_fwd"] * 1e9) <= 1e-6 * lay["gflop_fwd"] * 1e9
     enc = by["convs"]["encoder"]
+    assert enc["stem"] == "fold" and {"on_stem_pad", "on_stem_off"} <= set(enc)
+    stem = by["convs"]["stem"]  # the stem's forms: 3, 4, 8 channels-last, NCDHW, folded 12, 16
+    assert [(r["channels"], r["layout"]) for r in stem] == [
+        (3, "channels_last"), (4, "channels_last"), (8, "channels_last"), (3, "ncdhw"),
+        (12, "fold2d_nhwc"), (16, "fold2d_nhwc")]
+    assert all(r["max_rel_diff"] < 1e-5 for r in stem)  # fp32 on the CPU: the same convolution
     assert abs(enc["on"]["tflops"] * 1e12 * enc["on"]["ms"] / 1e3 - enc["gflop_fwd_bwd"] * 1e9) \
         <= 1e-6 * enc["gflop_fwd_bwd"] * 1e9
     assert by["loader"]["prefetch"] in ("absent",) or by["loader"]["prefetch_batches_per_s"] > 0
@@ -183,7 +193,8 @@ def test_a_part_ends_with_every_process_it_started(tmp_path):
     it ended and keeps what it had reported."""
     import argparse
 
-    args = argparse.Namespace(dry_run=True, fail_part="loader:hang", pairs=3, dali_manifest=None)
+    args = argparse.Namespace(dry_run=True, fail_part="loader:hang", pairs=3, dali_manifest=None,
+                              ncu_engine=None)
     status, body, secs = gs.run_part("loader", args, tmp_path, timeout=10)
     assert status == "failed" and body["how"] == "did not finish within 10 s (killed)", body
     assert _ended(body["partial"]["child_pid"])
@@ -203,6 +214,18 @@ def test_a_part_is_skipped_when_the_budget_left_is_too_small(tmp_path):
     assert [(ln["part"], ln["status"]) for ln in lines] == [
         ("env", "ok"), ("select", "skipped"), ("ncu", "skipped"), ("end", "ok")]
     assert "--budget-s 1" in lines[1]["why"] and "--part select --dry-run" in lines[1]["why"]
+
+
+def test_the_ncu_engine_is_checked_and_carried_to_the_parts_process(capsys):
+    with pytest.raises(SystemExit):
+        gs.main(["--ncu-engine", "bf16:fastest", "--dry-run"])
+    assert "FACTORS:VARIANT" in capsys.readouterr().err
+    import argparse
+
+    args = argparse.Namespace(dry_run=True, pairs=3, dali_manifest=None,
+                              ncu_engine="bf16:resident")
+    assert gs.common_argv(args)[-2:] == ["--ncu-engine", "bf16:resident"]
+    assert "--ncu-engine bf16:resident" in gs.rerun_command("ncu", args)
 
 
 def test_without_a_gpu_the_session_names_the_dry_run(capsys, tmp_path):

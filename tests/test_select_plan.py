@@ -295,15 +295,27 @@ def test_the_persistent_variant_is_refused_under_the_interpreter_with_the_fix():
 
 def test_the_auto_variant_is_the_one_measured_faster_on_the_device(monkeypatch):
     """variant="auto" (the trainer's default): the lazy race where it was measured ahead (an
-    H200 from N = 38,400: bench/RESULTS.md), the per-step variant elsewhere (smaller pools,
+    H200 from N = 38,400: bench/RESULTS.md), with bf16 factors the resident variant where it
+    was measured ahead and the pool fits on chip, the per-step variant elsewhere (smaller pools,
     devices not measured, the CPU); a plan asked for "auto" on the CPU runs steps and draws the
     reference's picks."""
     names = {"cuda": "NVIDIA H200"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: names["cuda"])
     assert ts.auto_variant(38_400, "cuda") == "lazy" == ts.auto_variant(1 << 20, "cuda:0")
     assert ts.auto_variant(38_399, "cuda") == "steps" == ts.auto_variant(9_600, "cuda")
+    # bf16 factors: the resident variant where the pool fits on chip, else the fp32 rule
+    assert ts.auto_variant(38_400, "cuda", factors="bf16", resident_fit=True) == "resident"
+    assert ts.auto_variant(38_400, "cuda", factors="bf16", resident_fit=False) == "lazy"
+    assert ts.auto_variant(38_400, "cuda", factors="fp32", resident_fit=True) == "lazy"
+    assert ts.auto_variant(9_600, "cuda", factors="bf16", resident_fit=True) == "steps"
+    # what a plan of the paper preset's sizes asks (132 SMs: an H200's); and a pool too large
+    monkeypatch.setattr(ts, "_sms", lambda device: 132)
+    assert ts._auto(38_400, 128, 128, 512, "head", "bf16", "cuda") == "resident"
+    assert ts._auto(38_400, 128, 128, 512, "head", "fp32", "cuda") == "lazy"
+    assert ts._auto(153_600, 128, 128, 512, "head", "bf16", "cuda") == "lazy"
     names["cuda"] = "NVIDIA H100 80GB HBM3"  # not measured yet: today's default
     assert ts.auto_variant(38_400, "cuda") == "steps"
+    assert ts.auto_variant(38_400, "cuda", factors="bf16", resident_fit=True) == "steps"
     assert ts.auto_variant(1 << 20, "cpu") == "steps"
     monkeypatch.undo()
     keys, queries, feats, exclude = _pool(300, 8, 16, 24, seed=3)
