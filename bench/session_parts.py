@@ -278,7 +278,8 @@ def part_convs(args, report) -> dict:
     import torch.nn.functional as F
 
     from cmacc.config import PRESETS
-    from cmacc.encoders import Encoder, StemConv3d, declared_stem, video_backbone
+    from cmacc.encoders import (ChannelsLastBatchNorm3d, Encoder, StemConv3d, declared_stem,
+                                video_backbone)
     from cmacc.metrics import flops_of, peak_flops
 
     sz, dev = sizes(args), sizes(args).device
@@ -357,16 +358,19 @@ def part_convs(args, report) -> dict:
                                           for lay in layers))
         if peak:
             modes[tag]["of_peak"] = enc_gflop * 1e9 / (ms / 1e3) / peak
-        if bench:  # the encoder again with the stem's other forms (cuDNN autotuned)
-            for other in ("pad", "off"):
-                StemConv3d.mode = other
+        if bench:  # the encoder again with the stem's other forms and BatchNorm3d's own path
+            for other, cls, mode in (("stem_pad", StemConv3d, "pad"),
+                                     ("stem_off", StemConv3d, "off"),
+                                     ("bn_off", ChannelsLastBatchNorm3d, "off")):
+                before = cls.mode
+                cls.mode = mode
                 try:
                     ms = bench_ms(step, dev, rep_ms=1000)
                 finally:
-                    StemConv3d.mode = stem_default
+                    cls.mode = before
                 encoder.zero_grad(set_to_none=True)
-                modes[f"on_stem_{other}"] = dict(ms=ms, tflops=enc_gflop / ms,
-                                                 speedup_of_default=ms / modes["on"]["ms"])
+                modes[f"on_{other}"] = dict(ms=ms, tflops=enc_gflop / ms,
+                                            speedup_of_default=ms / modes["on"]["ms"])
                 report(encoder=modes)
     torch.backends.cudnn.benchmark = True
     stem = _stem_rows(layers[0], dev, dtype)
@@ -377,7 +381,8 @@ def part_convs(args, report) -> dict:
                       "+ input grad (1x fwd, not for the stem); TFLOP/s = FLOPs / time",
                 layers=layers, encoder=dict(arch=mc.video_arch, gflop_fwd_bwd=enc_gflop,
                                             flops="3 x FlopCounterMode forward of one clip x "
-                                                  "batch", stem=stem_default, **modes),
+                                                  "batch", stem=stem_default,
+                                            bn=ChannelsLastBatchNorm3d.mode, **modes),
                 stem=stem, peak_tflops=peak / 1e12 if peak else None)
 
 

@@ -126,12 +126,48 @@ def fold_width(channels: int) -> int:
     return max(16, -(-channels // 8) * 8)
 
 
+class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
+    """BatchNorm3d that, on CUDA, normalises a channels_last_3d input [B, C, T, H, W] as the
+    4-D channels-last view [B, C, T H, W] of the same memory (no copy). The statistics are per
+    channel over the same B T H W values, so it is the same normalisation (running statistics
+    and their count included). Why: PyTorch's CUDA batch norm forward takes its channels-last
+    kernels for 4-D channels-last inputs only; a 5-D channels-last bf16 input goes the general
+    way, which first copies the whole input to fp32 for the statistics. In a paper-preset step
+    on an H200 (bench/RESULTS.md, 2026-11-28) those copies, the fp32 statistics and the general
+    elementwise kernel took about 48 ms of 189. Parameters and state dict are BatchNorm3d's;
+    on the CPU, and with ``mode = "off"``, it is BatchNorm3d."""
+
+    mode = "flat"  # "flat" or "off" (bench/gpu_session.py's convs part times both)
+
+    def forward(self, x):
+        if self.mode == "off" or not x.is_cuda:
+            return super().forward(x)
+        return self.flat_forward(x)
+
+    def flat_forward(self, x):
+        """The 4-D channels-last view's batch norm, on any device (the tests run it on the
+        CPU); inputs of another layout go through BatchNorm3d."""
+        if (x.dim() != 5 or x.is_contiguous()
+                or not x.is_contiguous(memory_format=torch.channels_last_3d)):
+            return super().forward(x)
+        b, c, t, h, w = x.shape
+        y = super().forward(x.view(b, c, t * h, w))  # [B, C, T H, W]: 4-D channels-last
+        return y.reshape(b, c, t, h, w)  # a view where y is channels-last, as expected
+
+    def _check_input_dim(self, input):
+        if input.dim() not in (4, 5):  # 4: the flat view of a 5-D input (flat_forward)
+            raise ValueError(f"expected 5D input (got {input.dim()}D input)")
+
+
 def fast_stem(backbone: nn.Module) -> nn.Module:
-    """``backbone`` with its stem's first Conv3d made a StemConv3d (the same parameters, in
-    place); returns it."""
+    """``backbone`` with its stem's first Conv3d made a StemConv3d and every BatchNorm3d a
+    ChannelsLastBatchNorm3d (the same parameters and buffers, in place); returns it."""
     conv = backbone.stem[0]
     if type(conv) is nn.Conv3d:
         conv.__class__ = StemConv3d
+    for mod in backbone.modules():
+        if type(mod) is nn.BatchNorm3d:
+            mod.__class__ = ChannelsLastBatchNorm3d
     return backbone
 
 

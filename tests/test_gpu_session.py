@@ -93,7 +93,8 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
         assert abs(lay["fwd_tflops_on"] * 1e12 * lay["fwd_ms_on"] / 1e3
                    - lay["gflop_fwd"] * 1e9) <= 1e-6 * lay["gflop_fwd"] * 1e9
     enc = by["convs"]["encoder"]
-    assert enc["stem"] == "fold" and {"on_stem_pad", "on_stem_off"} <= set(enc)
+    assert enc["stem"] == "fold" and {"on_stem_pad", "on_stem_off", "on_bn_off"} <= set(enc)
+    assert enc["bn"] == "flat"
     stem = by["convs"]["stem"]  # the stem's forms: 3, 4, 8 channels-last, NCDHW, folded 12, 16
     assert [(r["channels"], r["layout"]) for r in stem] == [
         (3, "channels_last"), (4, "channels_last"), (8, "channels_last"), (3, "ncdhw"),

@@ -1,0 +1,97 @@
+"""The video encoders' BatchNorm3d on CUDA (cmacc.encoders.ChannelsLastBatchNorm3d): a
+channels_last_3d input is normalised as its 4-D channels-last view [B, C, T H, W]. Run here on
+the CPU (``flat_forward``) against nn.BatchNorm3d in float64: outputs, the gradients of the
+input, weight and bias, the running statistics and their count, in training and in eval."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cmacc.encoders import ChannelsLastBatchNorm3d, video_backbone
+
+CL3 = torch.channels_last_3d
+
+
+def _pair(c=6, **kw):
+    torch.manual_seed(0)
+    plain = nn.BatchNorm3d(c, **kw).double()
+    if plain.affine:
+        with torch.no_grad():
+            plain.weight.uniform_(0.5, 1.5)
+            plain.bias.uniform_(-0.5, 0.5)
+    flat = copy.deepcopy(plain)
+    flat.__class__ = ChannelsLastBatchNorm3d
+    return plain, flat
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 4, 5, 7), (2, 6, 1, 5, 7), (2, 6, 4, 1, 7),
+                                   (2, 6, 4, 5, 1), (1, 6, 1, 1, 3)])
+@pytest.mark.parametrize("kw", [{}, dict(momentum=None), dict(affine=False),
+                                dict(track_running_stats=False)])
+def test_the_flat_view_is_the_same_batch_norm_in_training(shape, kw):
+    plain, flat = _pair(**kw)
+    for step in range(3):  # the running statistics and their count over several steps
+        x = (torch.randn(shape, dtype=torch.float64) * 2 + step).contiguous(memory_format=CL3)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = plain(x1), flat.flat_forward(x2)
+        torch.testing.assert_close(y2, y1, rtol=1e-12, atol=1e-12)
+        assert y2.shape == y1.shape and y2.is_contiguous(memory_format=CL3)
+        gy = torch.randn_like(y1)
+        (y1 * gy).sum().backward()
+        (y2 * gy).sum().backward()
+        torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-10, atol=1e-12)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(dict(flat.named_parameters())[name].grad, p.grad,
+                                   rtol=1e-10, atol=1e-12)
+    for name, b in plain.named_buffers():
+        torch.testing.assert_close(dict(flat.named_buffers())[name], b, rtol=1e-12, atol=1e-12)
+
+
+def test_the_flat_view_is_the_same_batch_norm_in_eval():
+    plain, flat = _pair()
+    warm = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64).contiguous(memory_format=CL3)
+    plain(warm)  # the same running statistics first
+    flat.flat_forward(warm)
+    plain.eval()
+    flat.eval()
+    x = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64).contiguous(memory_format=CL3)
+    torch.testing.assert_close(flat.flat_forward(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_the_flat_view_is_a_4d_channels_last_batch_norm_without_a_copy(monkeypatch):
+    # what PyTorch is given: the 4-D channels-last view of the input's own memory
+    _, flat = _pair()
+    seen = {}
+    real = torch.nn.functional.batch_norm
+
+    def spy(x, *args, **kwargs):
+        seen["x"] = x
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "batch_norm", spy)
+    x = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64).contiguous(memory_format=CL3)
+    flat.flat_forward(x)
+    assert seen["x"].shape == (3, 6, 20, 7)
+    assert seen["x"].is_contiguous(memory_format=torch.channels_last)
+    assert seen["x"].data_ptr() == x.data_ptr()
+
+
+def test_other_layouts_and_the_cpu_take_batchnorm3d(monkeypatch):
+    plain, flat = _pair()
+    x = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64)  # contiguous (NCDHW)
+    torch.testing.assert_close(flat.flat_forward(x), plain(x))
+    monkeypatch.setattr(flat, "flat_forward", lambda x: pytest.fail("flat on the CPU"))
+    flat(x.contiguous(memory_format=CL3))
+    with pytest.raises(ValueError, match="expected 5D input"):
+        flat(torch.randn(3, 6, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("arch", ["r3d_18", "r2plus1d_18"])
+def test_every_batch_norm_of_a_video_backbone_is_the_flat_one_with_its_state(arch):
+    net = video_backbone(arch, 4, (1, 1, 1, 1))
+    bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm3d)]
+    assert bns and all(type(m) is ChannelsLastBatchNorm3d for m in bns)
+    keys = set(net.state_dict())
+    assert all(any(k.endswith(s) for k in keys) for s in ("running_mean", "num_batches_tracked"))
