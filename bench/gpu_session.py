@@ -25,29 +25,33 @@ every key):
    timed; per run the trainer's own metrics (step, data wait, selection total / visible,
    clips/s, MFU); then active / random per pair and the mean with its 95 % t-interval
    (``cmacc.metrics.mean_ci``);
-2. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
+2. ``layers``: the same trainer (random sampler) with the video encoders' fast layer forms
+   (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults) against their declared
+   nn.Conv3d / nn.BatchNorm3d, 2 alternating pairs: step time off / on per pair and its mean
+   with the 95 % t-interval;
+3. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
    k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
    (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
    bf16 r3d_18 key-encoder forward on the main stream, at default and at high priority (the
    side stream's and the graph captures'); each setting's row kept as it ends;
-3. ``profile``: a ``torch.profiler`` trace (CPU + CUDA) of 10 active steps of the same trainer:
+4. ``profile``: a ``torch.profiler`` trace (CPU + CUDA) of 10 active steps of the same trainer:
    ``profile_trace.json.gz``, ``profile_kernels.csv`` (name, calls, total and mean CUDA us per
    kernel), the top 20 kernels, and the totals of every ``record_function`` range that appears;
-4. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
+5. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
    channels-last-3d, bf16), forward and backward TFLOP/s with cuDNN autotuning
-   (``torch.backends.cudnn.benchmark``) off and on, and the whole video encoder's
-   forward + backward at both;
-5. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
+   (``torch.backends.cudnn.benchmark``) off and on, the whole video encoder's forward +
+   backward at both and with its fast layer forms off, and the stem alone in six forms;
+6. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
    per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
    "absent" where it is not there);
-6. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
+7. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
    ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
    resume: the distributed paths on CUDA tensors before a multi-GPU run;
-7. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
+8. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
    a line saying why it was skipped;
-8. ``ncu``: Nsight Compute (``--set basic``, 6 launches, the selection's own: not its plan's
+9. ``ncu``: Nsight Compute (``--set basic``, 6 launches, the selection's own: not its plan's
    warm-up) on the selection's kernels: ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
-9. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
+10. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
    warm-up (compile) time and the step time, or the error line (last: a cold inductor
    compile may take its whole cap);
 
@@ -93,8 +97,8 @@ from bench.gpu_check import (_env_without_interpreter, _how_it_ended,  # noqa: E
                              end_running_part_on_signals, run_in_group)
 from bench.session_common import Skipped, nvidia_smi_clocks  # noqa: E402
 from bench.session_parts import (ncu_target, part_compile, part_convs, part_dali,  # noqa: E402
-                                 part_dist, part_env, part_loader, part_ncu, part_pairs,
-                                 part_profile, part_select)
+                                 part_dist, part_env, part_layers, part_loader, part_ncu,
+                                 part_pairs, part_profile, part_select)
 from data_dali.cli import first_line  # noqa: E402
 from data_dali.fileio import atomic_write_text  # noqa: E402
 
@@ -131,6 +135,8 @@ PARTS = {  # in the order they run: the most valuable first
         "preset", "warmup_steps", "timed_steps", "pairs", "runs", "step_ratio", "step_ratio_mean",
         "step_ratio_ci95", "iter_ratio", "iter_ratio_mean", "iter_ratio_ci95",
         "cudnn_benchmark")),
+    "layers": Spec(part_layers, 110, 60, (
+        "stem", "bn", "runs", "speedup", "speedup_mean", "speedup_ci95")),
     "select": Spec(part_select, 60, 25, (
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),

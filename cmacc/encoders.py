@@ -48,10 +48,16 @@ class StemConv3d(nn.Conv3d):
       zero-padded to ``pad_to``, still a 3-D convolution.
 
     Both compute the same convolution (zeros add exact zeros; only the summation order
-    differs). On an H200, bf16, batch 128 x 16 x 112 x 112 (bench/RESULTS.md): forward 25.5 ms
-    with 3 channels-last channels, 9.4 ms padded to 8, 3.1 ms folded (+ 1.7 ms to fold); weight
-    gradient 6.1 / 5.7 / 3.2 ms. Parameters and state dict are nn.Conv3d's (export and loading
-    are unchanged); on the CPU, and with ``mode = "off"``, it is nn.Conv3d."""
+    differs), and return channels_last_3d storage whatever the input's layout. On an H200, bf16,
+    batch 128 x 16 x 112 x 112 (bench/RESULTS.md, 2026-11-28), alone: forward 25.5 ms as
+    nn.Conv3d with 3 channels-last channels (about 10 ms inside a training step, where cuDNN
+    padded the input itself), 9.4 ms padded to 8, 3.1 ms folded plus about 1.7 ms to fold;
+    weight gradient 6.1 / 5.7 / 3.2 ms. The folded input saved for the backward is 16/3 the
+    size of the bf16 clip (+0.6 GiB at batch 128). Parameters and state dict are nn.Conv3d's;
+    on the CPU, with ``mode = "off"`` and in TorchScript it is nn.Conv3d
+    (``__prepare_scriptable__``: ``torch.jit.script`` also puts the plain layer, on the same
+    parameters, in the module it scripts). ``mode`` is a class attribute: every instance in the
+    process follows it."""
 
     mode = "fold"  # "fold", "pad" or "off" (bench/gpu_session.py's convs part times each)
     pad_to = 8
@@ -67,7 +73,16 @@ class StemConv3d(nn.Conv3d):
         return super().forward(x)
 
     def foldable(self) -> bool:
-        return self.kernel_size[0] > 1 and self.stride[0] == 1 and self.dilation[0] == 1
+        return (self.kernel_size[0] > 1 and self.stride[0] == 1 and self.dilation[0] == 1
+                and self.groups == 1 and self.padding_mode == "zeros"
+                and not isinstance(self.padding, str))
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script: the plain nn.Conv3d on the same parameters (class-level modes and
+        # Python branching do not script)
+        plain = copy.copy(self)
+        plain.__class__ = nn.Conv3d
+        return plain
 
     @staticmethod
     def _dtype(x):
@@ -75,7 +90,13 @@ class StemConv3d(nn.Conv3d):
         return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
 
     def folded_forward(self, x):
-        """The folded 2-D convolution on any device (the tests run it on the CPU)."""
+        """The folded 2-D convolution on any device (the tests run it on the CPU); a conv
+        that ``foldable`` refuses is refused here too."""
+        if not self.foldable() or x.dim() != 5:
+            raise ValueError(f"StemConv3d: cannot fold kernel {self.kernel_size}, stride "
+                             f"{self.stride}, dilation {self.dilation}, groups {self.groups}, "
+                             f"padding {self.padding!r} over a {x.dim()}-D input; "
+                             "use forward()")
         b, c, t, h, w = x.shape
         kt, pt = self.kernel_size[0], self.padding[0]
         t_out = t + 2 * pt - kt + 1
@@ -98,6 +119,9 @@ class StemConv3d(nn.Conv3d):
 
     def padded_forward(self, x):
         """The channel-padded 3-D convolution on any device (the tests run it on the CPU)."""
+        if self.groups != 1 or x.dim() != 5:
+            raise ValueError(f"StemConv3d: cannot pad the channels of groups={self.groups} "
+                             f"over a {x.dim()}-D input; use forward()")
         c = self.in_channels
         p = -c % self.pad_to
         b, _, t, h, w = x.shape
@@ -111,7 +135,8 @@ class StemConv3d(nn.Conv3d):
 @contextlib.contextmanager
 def declared_stem():
     """Within: every StemConv3d runs as the nn.Conv3d it declares (FLOP counts of the model,
-    not of its padded or folded stem)."""
+    not of its padded or folded stem). It sets the class attribute: not for use while another
+    thread runs a video encoder."""
     mode = StemConv3d.mode
     StemConv3d.mode = "off"
     try:
@@ -135,11 +160,12 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     way, which first copies the whole input to fp32 for the statistics. In a paper-preset step
     on an H200 (bench/RESULTS.md, 2026-11-28) those copies, the fp32 statistics and the general
     elementwise kernel took about 48 ms of 189. Parameters and state dict are BatchNorm3d's;
-    on the CPU, and with ``mode = "off"``, it is BatchNorm3d."""
+    on the CPU, with ``mode = "off"`` and in TorchScript it is BatchNorm3d."""
 
     mode = "flat"  # "flat" or "off" (bench/gpu_session.py's convs part times both)
 
     def forward(self, x):
+        nn.BatchNorm3d._check_input_dim(self, x)  # 5-D, as BatchNorm3d: before any path
         if self.mode == "off" or not x.is_cuda:
             return super().forward(x)
         return self.flat_forward(x)
@@ -147,19 +173,26 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     def flat_forward(self, x):
         """The 4-D channels-last view's batch norm, on any device (the tests run it on the
         CPU); inputs of another layout go through BatchNorm3d."""
-        if (x.dim() != 5 or x.is_contiguous()
-                or not x.is_contiguous(memory_format=torch.channels_last_3d)):
+        nn.BatchNorm3d._check_input_dim(self, x)
+        if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d):
             return super().forward(x)
         b, c, t, h, w = x.shape
         y = super().forward(x.view(b, c, t * h, w))  # [B, C, T H, W]: 4-D channels-last
         return y.reshape(b, c, t, h, w)  # a view where y is channels-last, as expected
 
     def _check_input_dim(self, input):
-        if input.dim() not in (4, 5):  # 4: the flat view of a 5-D input (flat_forward)
+        # _BatchNorm.forward's check: the 5-D input (checked as such by forward and
+        # flat_forward before any path), or flat_forward's 4-D view of it
+        if input.dim() not in (4, 5):
             raise ValueError(f"expected 5D input (got {input.dim()}D input)")
 
+    def __prepare_scriptable__(self):
+        plain = copy.copy(self)  # torch.jit.script: the plain BatchNorm3d on the same state
+        plain.__class__ = nn.BatchNorm3d
+        return plain
 
-def fast_stem(backbone: nn.Module) -> nn.Module:
+
+def fast_video_layers(backbone: nn.Module) -> nn.Module:
     """``backbone`` with its stem's first Conv3d made a StemConv3d and every BatchNorm3d a
     ChannelsLastBatchNorm3d (the same parameters and buffers, in place); returns it."""
     conv = backbone.stem[0]
@@ -230,8 +263,8 @@ def video_backbone(arch: str = "r3d_18", width: int = 64, layers=(2, 2, 2, 2)) -
         net = (r3d_18 if arch == "r3d_18" else r2plus1d_18)(weights=None)
         net.out_dim = net.fc.in_features
         net.fc = nn.Identity()
-        return fast_stem(net)
-    return fast_stem(_ScaledVideoResNet(arch, width, layers))
+        return fast_video_layers(net)
+    return fast_video_layers(_ScaledVideoResNet(arch, width, layers))
 
 
 def backbone_features(width: int, layers) -> int:

@@ -78,14 +78,35 @@ def test_the_flat_view_is_a_4d_channels_last_batch_norm_without_a_copy(monkeypat
     assert seen["x"].data_ptr() == x.data_ptr()
 
 
-def test_other_layouts_and_the_cpu_take_batchnorm3d(monkeypatch):
+def test_other_layouts_and_the_cpu_take_batchnorm3d_and_cuda_the_flat_view(monkeypatch):
     plain, flat = _pair()
     x = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64)  # contiguous (NCDHW)
     torch.testing.assert_close(flat.flat_forward(x), plain(x))
-    monkeypatch.setattr(flat, "flat_forward", lambda x: pytest.fail("flat on the CPU"))
+    called = []
+    monkeypatch.setattr(flat, "flat_forward", lambda x: called.append(x))
     flat(x.contiguous(memory_format=CL3))
-    with pytest.raises(ValueError, match="expected 5D input"):
-        flat(torch.randn(3, 6, 4, dtype=torch.float64))
+    assert called == []  # the CPU: BatchNorm3d
+
+    class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on CUDA
+        @property
+        def is_cuda(self):
+            return True
+
+    flat(x.contiguous(memory_format=CL3).as_subclass(FakeCuda))
+    assert len(called) == 1  # CUDA: the flat view
+    monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "off")
+    flat(x.contiguous(memory_format=CL3).as_subclass(FakeCuda))
+    assert len(called) == 1
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 4), (3, 6, 4, 5), (6, 4, 5, 7)])
+def test_a_batch_norm_3d_refuses_other_than_5d_input_on_every_path(shape, monkeypatch):
+    # BatchNorm3d's error, before any path (a 4-D input would otherwise be taken as the view)
+    _, flat = _pair()
+    x = torch.randn(shape, dtype=torch.float64)
+    for fn in (flat, flat.flat_forward):
+        with pytest.raises(ValueError, match="expected 5D input"):
+            fn(x)
 
 
 @pytest.mark.parametrize("arch", ["r3d_18", "r2plus1d_18"])

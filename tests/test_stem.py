@@ -15,10 +15,10 @@ from cmacc.encoders import StemConv3d, export_video, fold_width, video_backbone
 R3D = dict(kernel=(3, 7, 7), stride=(1, 2, 2), padding=(1, 3, 3))
 
 
-def _convs(kernel, stride, padding, cin=3, cout=6, bias=False, dilation=1):
+def _convs(kernel, stride, padding, cin=3, cout=6, bias=False, dilation=1, groups=1):
     torch.manual_seed(0)
     plain = nn.Conv3d(cin, cout, kernel, stride=stride, padding=padding, bias=bias,
-                      dilation=dilation).double()
+                      dilation=dilation, groups=groups).double()
     fast = copy.deepcopy(plain)
     fast.__class__ = StemConv3d
     return plain, fast
@@ -44,6 +44,7 @@ def _same_and_same_gradients(plain, fast, forward, x):
     dict(kernel=(3, 7, 7), stride=(1, 2, 2), padding=(0, 3, 3)),  # no temporal padding
     dict(kernel=(5, 3, 3), stride=(1, 1, 2), padding=(2, 1, 0)),  # deeper, odd strides
     dict(kernel=(2, 3, 3), stride=(1, 2, 2), padding=(1, 1, 1)),  # even depth: T + 1 frames
+    dict(kernel=(3, 3, 3), stride=(1, 1, 1), padding=(1, 2, 1), dilation=(1, 2, 1)),  # spatial
 ])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("frames", [1, 2, 5])
@@ -98,6 +99,60 @@ def test_the_folded_convolution_is_2d_over_16_channels_in_channels_last(monkeypa
     torch.testing.assert_close(seen["w"][:, 3:6], fast.weight[:, :, 1])  # tap 1's weights
 
 
+@pytest.mark.parametrize("geometry", [
+    dict(kernel=(3, 7, 7), stride=(2, 2, 2), padding=(1, 3, 3)),  # temporal stride
+    dict(kernel=(3, 3, 3), stride=(1, 1, 1), padding=(2, 1, 1), dilation=(2, 1, 1)),
+    dict(kernel=(3, 3, 3), stride=(1, 1, 1), padding=(1, 1, 1), cin=3, cout=6, groups=3),
+    dict(kernel=(1, 7, 7), stride=(1, 2, 2), padding=(0, 3, 3)),  # nothing to fold
+])
+def test_a_conv_that_cannot_be_folded_is_refused_and_forward_runs_it_as_declared(geometry,
+                                                                                  monkeypatch):
+    plain, fast = _convs(**geometry)
+    assert not fast.foldable()
+    x = torch.randn(1, 3, 4, 9, 9, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cannot fold"):
+        fast.folded_forward(x)
+    if fast.groups != 1:
+        with pytest.raises(ValueError, match="cannot pad"):
+            fast.padded_forward(x)
+
+    class FakeCuda(torch.Tensor):  # forward's CUDA branch, on the CPU
+        @property
+        def is_cuda(self):
+            return True
+
+    torch.testing.assert_close(fast(x.as_subclass(FakeCuda)).as_subclass(torch.Tensor),
+                               plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_under_the_cuda_autocast_the_folded_input_is_made_in_its_dtype(monkeypatch):
+    # the fold casts once to the autocast dtype (bf16 in training), not to the clip's fp32
+    _, fast = _convs(**R3D)
+    fast.float()
+    seen = _spy(monkeypatch, fast, "conv2d")
+    x = torch.randn(1, 3, 4, 9, 9)
+    state = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        with pytest.raises(RuntimeError):  # the bf16 input meets the fp32 weight on the CPU,
+            fast.folded_forward(x)         # where no autocast casts the weight: the spy saw it
+    finally:
+        torch.set_autocast_enabled("cuda", state[0])
+        torch.set_autocast_dtype("cuda", state[1])
+    assert seen["x"].dtype == torch.bfloat16
+    fast.folded_forward(x)  # autocast off: the input's dtype
+    assert seen["x"].dtype == torch.float32
+
+
+def test_a_scripted_backbone_is_the_plain_one_on_the_same_parameters():
+    net = video_backbone("r3d_18", 4, (1, 1, 1, 1)).eval()
+    x = torch.randn(2, 3, 4, 16, 16)
+    want = net(x)
+    scripted = torch.jit.script(net)
+    torch.testing.assert_close(scripted(x), want)
+
+
 def test_the_fold_width_is_a_multiple_of_8_at_least_16():
     assert [fold_width(c) for c in (3, 9, 16, 17, 21)] == [16, 16, 16, 24, 24]
 
@@ -142,15 +197,27 @@ def test_every_video_backbone_has_the_fast_stem_and_exports_torchvisions_names(a
 
 
 def test_the_flop_count_is_the_declared_convolutions_whatever_the_stems_form(monkeypatch):
-    # MFU counts the model's FLOPs: the folded stem's zero channels are not the model's work
-    from cmacc.encoders import declared_stem
-    from cmacc.metrics import flops_of
+    # MFU counts the model's FLOPs (cmacc.metrics.model_flops_per_clip): a stem that folds
+    # wherever it runs (the meta copies included) still counts as its declared Conv3d
+    from cmacc.config import PRESETS
+    from cmacc.metrics import model_flops_per_clip
+    from cmacc.model import CMACC
 
-    plain, fast = _convs(**R3D)
-    x = torch.randn(1, 3, 4, 9, 9, dtype=torch.float64)
-    monkeypatch.setattr(fast, "forward", lambda x: (
-        fast.folded_forward(x) if StemConv3d.mode == "fold" else nn.Conv3d.forward(fast, x)))
-    assert flops_of(lambda: fast(x)) > flops_of(lambda: plain(x))  # 16 channels, not 9
-    with declared_stem():
-        assert flops_of(lambda: fast(x)) == flops_of(lambda: plain(x))
+    cfg = PRESETS["tiny"]
+    torch.manual_seed(0)
+    model = CMACC(cfg.model, cfg.selection)
+    v = torch.randn(2, 3, cfg.data.frames, cfg.data.size, cfg.data.size)
+    a = torch.randn(2, cfg.model.n_mels, 64)
+    declared = model_flops_per_clip(model, v, a)
+    monkeypatch.setattr(StemConv3d, "forward", lambda self, x: (
+        self.folded_forward(x) if StemConv3d.mode == "fold" else nn.Conv3d.forward(self, x)))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stem = model.f_v.backbone.stem[0]
+    with FlopCounterMode(display=False) as folded:  # the fold does count more: 16 channels
+        stem(v[:1])
+    with FlopCounterMode(display=False) as plain:
+        nn.Conv3d.forward(stem, v[:1])
+    assert folded.get_total_flops() > plain.get_total_flops()
+    assert model_flops_per_clip(model, v, a) == declared
     assert StemConv3d.mode == "fold"
