@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import re
 from pathlib import Path
 
@@ -190,6 +191,11 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
         plain = copy.copy(self)  # torch.jit.script: the plain BatchNorm3d on the same state
         plain.__class__ = nn.BatchNorm3d
         return plain
+
+
+FAST_LAYERS_ENV = "CMACC_FAST_LAYERS"  # "0": the declared layers on CUDA too (set at import)
+if os.environ.get(FAST_LAYERS_ENV, "1") == "0":
+    StemConv3d.mode = ChannelsLastBatchNorm3d.mode = "off"
 
 
 def fast_video_layers(backbone: nn.Module) -> nn.Module:

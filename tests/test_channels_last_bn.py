@@ -116,3 +116,19 @@ def test_every_batch_norm_of_a_video_backbone_is_the_flat_one_with_its_state(arc
     assert bns and all(type(m) is ChannelsLastBatchNorm3d for m in bns)
     keys = set(net.state_dict())
     assert all(any(k.endswith(s) for k in keys) for s in ("running_mean", "num_batches_tracked"))
+
+
+def test_cmacc_fast_layers_0_turns_both_forms_off_for_the_process():
+    # the escape hatch: the declared nn.Conv3d / nn.BatchNorm3d on CUDA too
+    import subprocess
+    import sys
+
+    probe = ("from cmacc.encoders import StemConv3d as S, ChannelsLastBatchNorm3d as B; "
+             "print(S.mode, B.mode)")
+    for value, want in (("0", "off off"), ("1", "fold flat"), (None, "fold flat")):
+        env = {k: v for k, v in __import__("os").environ.items() if k != "CMACC_FAST_LAYERS"}
+        if value is not None:
+            env["CMACC_FAST_LAYERS"] = value
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.split() == want.split(), out.stderr[-2000:]
