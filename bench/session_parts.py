@@ -624,7 +624,10 @@ def part_ncu(args, report) -> dict:
     rep = out / "ncu_selection"
     target = ([sys.executable, str(DRIVER), "--ncu-target"] + (["--dry-run"] * args.dry_run)
               + (["--ncu-engine", args.ncu_engine] if args.ncu_engine else []))
-    cmd = [exe, "--target-processes", "all", "--clock-control", "none", "--set", "basic",
+    # --cache-control none: the launches see the caches as the selection left them (ncu's
+    # default flushes them before each profiled launch: per-launch times were upper bounds)
+    cmd = [exe, "--target-processes", "all", "--clock-control", "none", "--cache-control",
+           "none", "--set", "basic",
            "--profile-from-start", "off", "--kernel-name", NCU_KERNELS,
            "--launch-count", str(NCU_LAUNCHES), "-f", "-o", str(rep), *target]
     t0 = time.monotonic()

@@ -149,6 +149,7 @@ def test_a_crashing_part_costs_only_its_own_line_which_says_how_to_rerun_it(tmp_
     assert ncu["kernels"][0]["Duration"] == "12.35 us"
     assert "--set basic" in ncu["command"] and f"--launch-count {sp.NCU_LAUNCHES}" in ncu["command"]
     assert "--profile-from-start off" in ncu["command"]  # the selection's launches, not warm-up
+    assert "--cache-control none" in ncu["command"]  # caches as the selection left them
     assert f"'{sp.NCU_KERNELS}'" in ncu["command"]  # quoted: the regex's | is not a pipe
     assert lines[-1]["failed"] == ["loader"] and lines[-1]["status"] == "failed"
     assert "rerun alone: python3 bench/gpu_session.py --part loader --dry-run" in p.stdout
