@@ -193,25 +193,23 @@ def _stem_rows(layer: dict, dev: str, dtype) -> list[dict]:
 
 def _stem_fold_rows(layer, x3, w3, ref, dev) -> list[dict]:
     """The stem as a 2-D convolution of each frame (kT frames x 3 channels folded into the
-    input channels, zero-padded to 16): forward, the fold itself, and weight-gradient ms."""
+    input channels, zero-padded to 12 and to 16), the fold the model runs
+    (cmacc.encoders.fold_frames / fold_weight): forward, the fold itself, and weight-gradient
+    ms."""
     import torch.nn.functional as F
+
+    from cmacc.encoders import fold_frames, fold_weight
 
     kt = layer["kernel"][0]
     pt = layer["padding"][0]
-    b, c, t, h, w = x3.shape
+    b = x3.shape[0]
     conv = dict(stride=layer["stride"][1:], padding=layer["padding"][1:])
     rows = []
     for width in (12, 16):
         def fold(x3=x3, width=width):
-            xp = F.pad(x3, (0, 0, 0, 0, pt, pt))  # [B, C, T + 2 pt, H, W]
-            win = xp.unfold(2, kt, 1)[:, :, :t]  # [B, C, T, H, W, kT]
-            out = x3.new_zeros((b, t, h, w, width))
-            out[..., :kt * c] = win.permute(0, 2, 3, 4, 5, 1).reshape(b, t, h, w, kt * c)
-            return out.view(b * t, h, w, width).permute(0, 3, 1, 2)  # NCHW view, NHWC storage
+            return fold_frames(x3, kt, pt, width, x3.dtype)  # NCHW view, NHWC storage
         x = fold()
-        wt = w3.permute(0, 2, 1, 3, 4).reshape(w3.shape[0], kt * c, *w3.shape[3:])
-        wt = F.pad(wt, (0, 0, 0, 0, 0, width - kt * c)).contiguous(
-            memory_format=torch.channels_last)
+        wt = fold_weight(w3, width)
         y = F.conv2d(x, wt, None, **conv)  # [B T, O, Ho, Wo]
         gy = torch.randn_like(y)
 
@@ -223,7 +221,7 @@ def _stem_fold_rows(layer, x3, w3, ref, dev) -> list[dict]:
         fwd_ms = bench_ms(lambda x=x, wt=wt: F.conv2d(x, wt, None, **conv), dev)
         fold_ms = bench_ms(fold, dev)
         bwd_ms = bench_ms(bwd, dev)
-        yf = y.float().view(b, t, *y.shape[1:]).permute(0, 2, 1, 3, 4)
+        yf = y.float().view(b, y.shape[0] // b, *y.shape[1:]).permute(0, 2, 1, 3, 4)
         rows.append(dict(channels=width, layout="fold2d_nhwc", fwd_ms=fwd_ms, fold_ms=fold_ms,
                          wgrad_ms=bwd_ms, fwd_tflops=layer["gflop_fwd"] / fwd_ms,
                          wgrad_tflops=layer["gflop_fwd"] / bwd_ms,

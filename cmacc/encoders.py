@@ -52,7 +52,8 @@ class StemConv3d(nn.Conv3d):
     differs), and return channels_last_3d storage whatever the input's layout. On an H200, bf16,
     batch 128 x 16 x 112 x 112 (bench/RESULTS.md, 2026-11-28), alone: forward 25.5 ms as
     nn.Conv3d with 3 channels-last channels (about 10 ms inside a training step, where cuDNN
-    padded the input itself), 9.4 ms padded to 8, 3.1 ms folded plus about 1.7 ms to fold;
+    padded the input itself), 9.4 ms padded to 8, 3.1 ms folded (plus 1.7 ms for a first fold
+    the bench made its own way; ``fold_frames`` is timed by the convs part since);
     weight gradient 6.1 / 5.7 / 3.2 ms. The folded input saved for the backward is 16/3 the
     size of the bf16 clip (+0.6 GiB at batch 128). Parameters and state dict are nn.Conv3d's;
     on the CPU, with ``mode = "off"`` and in TorchScript it is nn.Conv3d
@@ -98,24 +99,13 @@ class StemConv3d(nn.Conv3d):
                              f"{self.stride}, dilation {self.dilation}, groups {self.groups}, "
                              f"padding {self.padding!r} over a {x.dim()}-D input; "
                              "use forward()")
-        b, c, t, h, w = x.shape
-        kt, pt = self.kernel_size[0], self.padding[0]
-        t_out = t + 2 * pt - kt + 1
-        width = fold_width(kt * c)
-        folded = x.new_zeros((b, t_out, h, w, width), dtype=self._dtype(x))  # NHWC frames
-        for j in range(kt):  # tap j of output frame s reads input frame s + j - pt
-            lo, hi = max(0, pt - j), min(t_out, t + pt - j)
-            if lo < hi:
-                folded[:, lo:hi, :, :, j * c:(j + 1) * c] = \
-                    x[:, :, lo + j - pt:hi + j - pt].permute(0, 2, 3, 4, 1)
-        weight = self.weight.permute(0, 2, 1, 3, 4).reshape(self.out_channels, kt * c,
-                                                           *self.kernel_size[1:])
-        weight = F.pad(weight, (0, 0, 0, 0, 0, width - kt * c)).contiguous(
-            memory_format=torch.channels_last)
-        y = F.conv2d(folded.view(b * t_out, h, w, width).permute(0, 3, 1, 2), weight,
-                     self.bias, self.stride[1:], self.padding[1:], self.dilation[1:])
+        b = x.shape[0]
+        width = fold_width(self.kernel_size[0] * x.shape[1])
+        frames = fold_frames(x, self.kernel_size[0], self.padding[0], width, self._dtype(x))
+        y = F.conv2d(frames, fold_weight(self.weight, width), self.bias, self.stride[1:],
+                     self.padding[1:], self.dilation[1:])
         # [B T, O, Ho, Wo] (NHWC storage) -> [B, O, T, Ho, Wo] (channels_last_3d storage)
-        y = y.permute(0, 2, 3, 1).reshape(b, t_out, *y.shape[2:], y.shape[1])
+        y = y.permute(0, 2, 3, 1).reshape(b, y.shape[0] // b, *y.shape[2:], y.shape[1])
         return y.permute(0, 4, 1, 2, 3)
 
     def padded_forward(self, x):
@@ -144,6 +134,31 @@ def declared_stem():
         yield
     finally:
         StemConv3d.mode = mode
+
+
+def fold_frames(x, kt: int, pt: int, width: int, dtype) -> torch.Tensor:
+    """The folded stem's input: for a clip x [B, C, T, H, W] and a temporal kernel of depth
+    ``kt`` with padding ``pt`` (stride 1), the frames [B T_out, width, H, W] (NHWC storage,
+    ``dtype``) whose channel j C + c is colour c of input frame s + j - pt (zeros outside the
+    clip and past kt C)."""
+    b, c, t, h, w = x.shape
+    t_out = t + 2 * pt - kt + 1
+    folded = x.new_zeros((b, t_out, h, w, width), dtype=dtype)  # NHWC frames
+    for j in range(kt):  # tap j of output frame s reads input frame s + j - pt
+        lo, hi = max(0, pt - j), min(t_out, t + pt - j)
+        if lo < hi:
+            folded[:, lo:hi, :, :, j * c:(j + 1) * c] = \
+                x[:, :, lo + j - pt:hi + j - pt].permute(0, 2, 3, 4, 1)
+    return folded.view(b * t_out, h, w, width).permute(0, 3, 1, 2)
+
+
+def fold_weight(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """The folded stem's weight: [O, C, kT, kH, kW] -> [O, width, kH, kW] (channel j C + c =
+    colour c of tap j, zeros past kT C), channels-last."""
+    o, c, kt = weight.shape[:3]
+    folded = weight.permute(0, 2, 1, 3, 4).reshape(o, kt * c, *weight.shape[3:])
+    return F.pad(folded, (0, 0, 0, 0, 0, width - kt * c)).contiguous(
+        memory_format=torch.channels_last)
 
 
 def fold_width(channels: int) -> int:
