@@ -181,14 +181,15 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     mode = "flat"  # "flat" or "off" (bench/gpu_session.py's convs part times both)
 
     def forward(self, x):
-        nn.BatchNorm3d._check_input_dim(self, x)  # 5-D, as BatchNorm3d: before any path
-        if self.mode == "off" or not x.is_cuda:
-            return super().forward(x)
-        return self.flat_forward(x)
+        if self.mode != "off" and x.is_cuda:
+            return self.flat_forward(x)
+        nn.BatchNorm3d._check_input_dim(self, x)  # 5-D, as BatchNorm3d (this class's own
+        return super().forward(x)                 # check lets the 4-D view through)
 
     def flat_forward(self, x):
         """The 4-D channels-last view's batch norm, on any device (the tests run it on the
-        CPU); inputs of another layout go through BatchNorm3d."""
+        CPU); inputs of another layout go through BatchNorm3d. Refuses other than 5-D input,
+        as BatchNorm3d."""
         nn.BatchNorm3d._check_input_dim(self, x)
         if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d):
             return super().forward(x)
@@ -197,8 +198,8 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
         return y.reshape(b, c, t, h, w)  # a view where y is channels-last, as expected
 
     def _check_input_dim(self, input):
-        # _BatchNorm.forward's check: the 5-D input (checked as such by forward and
-        # flat_forward before any path), or flat_forward's 4-D view of it
+        # _BatchNorm.forward's check: the 5-D input (checked as such by forward or
+        # flat_forward before it gets here), or flat_forward's 4-D view of it
         if input.dim() not in (4, 5):
             raise ValueError(f"expected 5D input (got {input.dim()}D input)")
 
