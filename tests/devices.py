@@ -21,3 +21,12 @@ def selection_inputs(cap, m, d, dh, seed=0):
     feats = torch.randn(m, dh, generator=g).to(DEV)  # [M, d_h]
     exclude = (torch.rand(cap, generator=g) < 0.2).to(DEV)  # [cap]
     return keys, queries, feats, exclude
+
+
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (``x.as_subclass(FakeCuda)``): a layer's CUDA
+    branch, run on the CPU."""
+
+    @property
+    def is_cuda(self):
+        return True

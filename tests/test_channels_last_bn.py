@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from cmacc.encoders import ChannelsLastBatchNorm3d, video_backbone
+from devices import FakeCuda
 
 CL3 = torch.channels_last_3d
 
@@ -86,11 +87,6 @@ def test_other_layouts_and_the_cpu_take_batchnorm3d_and_cuda_the_flat_view(monke
     monkeypatch.setattr(flat, "flat_forward", lambda x: called.append(x))
     flat(x.contiguous(memory_format=CL3))
     assert called == []  # the CPU: BatchNorm3d
-
-    class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on CUDA
-        @property
-        def is_cuda(self):
-            return True
 
     flat(x.contiguous(memory_format=CL3).as_subclass(FakeCuda))
     assert len(called) == 1  # CUDA: the flat view

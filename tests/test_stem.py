@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from cmacc.encoders import StemConv3d, export_video, fold_width, video_backbone
+from devices import FakeCuda
 
 R3D = dict(kernel=(3, 7, 7), stride=(1, 2, 2), padding=(1, 3, 3))
 
@@ -116,11 +117,6 @@ def test_a_conv_that_cannot_be_folded_is_refused_and_forward_runs_it_as_declared
         with pytest.raises(ValueError, match="cannot pad"):
             fast.padded_forward(x)
 
-    class FakeCuda(torch.Tensor):  # forward's CUDA branch, on the CPU
-        @property
-        def is_cuda(self):
-            return True
-
     torch.testing.assert_close(fast(x.as_subclass(FakeCuda)).as_subclass(torch.Tensor),
                                plain(x), rtol=1e-12, atol=1e-12)
 
@@ -169,11 +165,6 @@ def test_on_cuda_the_stem_takes_its_fast_form_and_on_the_cpu_none(monkeypatch, m
     called = []
     for name in ("folded_forward", "padded_forward"):
         monkeypatch.setattr(fast, name, lambda x, name=name: called.append(name))
-
-    class FakeCuda(torch.Tensor):  # a CPU tensor that says it is on CUDA
-        @property
-        def is_cuda(self):
-            return True
 
     x = torch.randn(1, 3, 3, 9, 9, dtype=torch.float64)
     fast(x)  # on the CPU: nn.Conv3d
