@@ -85,21 +85,32 @@ def part_env(args, report) -> dict:
     return out
 
 
+def _alternate(pairs: int, arms: dict, report, part: str) -> tuple[list, list]:
+    """``pairs`` rounds of the runs ``arms`` (name -> a function returning a run's figures), in
+    their order each round: (every run, as it ended; per round {name: run}). Each run is
+    reported and printed as it ends."""
+    runs, rounds = [], []
+    for _ in range(pairs):
+        pair = {}
+        for name, run in arms.items():
+            pair[name] = run()
+            runs.append(pair[name])
+            report(runs=runs)
+            print(f"{part}: {name}: {_short(pair[name])}", flush=True)
+        rounds.append(pair)
+    return runs, rounds
+
+
 def part_pairs(args, report) -> dict:
     """Random and active runs alternating; the ratio active / random per pair, with mean_ci."""
     from cmacc.metrics import mean_ci
 
     sz = sizes(args)
-    runs, step_ratio, iter_ratio = [], [], []
-    for _ in range(args.pairs):
-        pair = {}
-        for sampler in ("random", "active"):
-            pair[sampler] = trainer_run(sz, sampler, timed=sz.timed)
-            runs.append(pair[sampler])
-            report(runs=runs)
-            print(f"pairs: {sampler}: {_short(pair[sampler])}", flush=True)
-        step_ratio.append(pair["active"]["step_ms"] / pair["random"]["step_ms"])
-        iter_ratio.append(pair["active"]["iter_ms"] / pair["random"]["iter_ms"])
+    runs, rounds = _alternate(args.pairs, {
+        sampler: (lambda s=sampler: trainer_run(sz, s, timed=sz.timed))
+        for sampler in ("random", "active")}, report, "pairs")
+    step_ratio = [p["active"]["step_ms"] / p["random"]["step_ms"] for p in rounds]
+    iter_ratio = [p["active"]["iter_ms"] / p["random"]["iter_ms"] for p in rounds]
     mean, half = mean_ci(step_ratio)
     imean, ihalf = mean_ci(iter_ratio)
     first = runs[0]
@@ -118,20 +129,18 @@ def part_layers(args, report) -> dict:
 
     sz = sizes(args)
     defaults = StemConv3d.mode, ChannelsLastBatchNorm3d.mode
-    runs, ratio = [], []
-    for _ in range(LAYER_PAIRS):
-        pair = {}
-        for forms in ("fast", "off"):
-            StemConv3d.mode, ChannelsLastBatchNorm3d.mode = (
-                defaults if forms == "fast" else ("off", "off"))
-            try:
-                pair[forms] = dict(trainer_run(sz, "random", timed=sz.timed), forms=forms)
-            finally:
-                StemConv3d.mode, ChannelsLastBatchNorm3d.mode = defaults
-            runs.append(pair[forms])
-            report(runs=runs)
-            print(f"layers: {forms}: {_short(pair[forms])}", flush=True)
-        ratio.append(pair["off"]["step_ms"] / pair["fast"]["step_ms"])
+
+    def run(forms):
+        StemConv3d.mode, ChannelsLastBatchNorm3d.mode = (
+            defaults if forms == "fast" else ("off", "off"))
+        try:
+            return dict(trainer_run(sz, "random", timed=sz.timed), forms=forms)
+        finally:
+            StemConv3d.mode, ChannelsLastBatchNorm3d.mode = defaults
+
+    runs, rounds = _alternate(LAYER_PAIRS, {f: (lambda f=f: run(f)) for f in ("fast", "off")},
+                              report, "layers")
+    ratio = [p["off"]["step_ms"] / p["fast"]["step_ms"] for p in rounds]
     mean, half = mean_ci(ratio)
     return dict(stem=defaults[0], bn=defaults[1], runs=runs, speedup=ratio,
                 speedup_mean=mean, speedup_ci95=half)
