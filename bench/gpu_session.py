@@ -26,9 +26,10 @@ every key):
    clips/s, MFU); then active / random per pair and the mean with its 95 % t-interval
    (``cmacc.metrics.mean_ci``);
 2. ``layers``: the same trainer (random sampler) with the video encoders' fast layer forms
-   (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults) against their declared
-   nn.Conv3d / nn.BatchNorm3d, 2 alternating pairs: step time off / on per pair and its mean
-   with the 95 % t-interval;
+   (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults), with the fast stem and
+   BatchNorm3d's own path, and with their declared nn.Conv3d / nn.BatchNorm3d, 2 alternating
+   rounds: step time off / fast and stem-only / fast per round, each mean with its 95 %
+   t-interval;
 3. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
    k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
    (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
@@ -136,7 +137,8 @@ PARTS = {  # in the order they run: the most valuable first
         "step_ratio_ci95", "iter_ratio", "iter_ratio_mean", "iter_ratio_ci95",
         "cudnn_benchmark")),
     "layers": Spec(part_layers, 110, 60, (
-        "stem", "bn", "runs", "speedup", "speedup_mean", "speedup_ci95")),
+        "stem", "bn", "runs", "speedup", "speedup_mean", "speedup_ci95", "bn_speedup",
+        "bn_speedup_mean", "bn_speedup_ci95")),
     "select": Spec(part_select, 60, 25, (
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),

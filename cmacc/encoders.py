@@ -167,16 +167,57 @@ def fold_width(channels: int) -> int:
     return max(16, -(-channels // 8) * 8)
 
 
+class _FlatBatchNorm(torch.autograd.Function):
+    """Batch norm of a dense channels_last_3d input [B, C, T, H, W] as its 4-D channels-last
+    view [B, C, T H, W], into a 5-D output of its own. The output must not be a view: the
+    blocks that follow modify it in place (ReLU(inplace=True), ``out += identity``), and an
+    in-place change of a view makes autograd's backward copy the whole gradient through a
+    contiguous (NCDHW) clone at every such layer, which then sends the batch norm's backward
+    the general way (measured on an H200: 39 whole-activation copies, 34 ms a paper-preset
+    step; bench/RESULTS.md). So the forward writes into a fresh channels_last_3d tensor through
+    ``native_batch_norm.out`` and the backward is ``native_batch_norm_backward`` on the views."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, training, momentum, eps):
+        b, c, t, h, w = x.shape
+        y = torch.empty_like(x, memory_format=torch.channels_last_3d)
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # the statistics'
+        mean = torch.empty(0, dtype=acc, device=x.device)
+        invstd = torch.empty(0, dtype=acc, device=x.device)
+        x4 = x.view(b, c, t * h, w)
+        torch.ops.aten.native_batch_norm.out(
+            x4, weight, bias, running_mean, running_var, training, momentum, eps,
+            out=y.view(b, c, t * h, w), save_mean=mean, save_invstd=invstd)
+        # in training the backward reads the batch's statistics only, not the running ones
+        kept = (None, None) if training else (running_mean, running_var)
+        ctx.save_for_backward(x, weight, *kept, mean, invstd)
+        ctx.training, ctx.eps = training, eps
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy):
+        x, weight, running_mean, running_var, mean, invstd = ctx.saved_tensors
+        b, c, t, h, w = x.shape
+        gy = gy.contiguous(memory_format=torch.channels_last_3d)  # a no-op when it already is
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            gy.view(b, c, t * h, w), x.view(b, c, t * h, w), weight, running_mean, running_var,
+            mean, invstd, ctx.training, ctx.eps, list(ctx.needs_input_grad[:3]))
+        gx = gx.view(b, c, t, h, w) if gx is not None else None
+        return gx, gw, gb, None, None, None, None, None
+
+
 class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     """BatchNorm3d that, on CUDA, normalises a channels_last_3d input [B, C, T, H, W] as the
-    4-D channels-last view [B, C, T H, W] of the same memory (no copy). The statistics are per
-    channel over the same B T H W values, so it is the same normalisation (running statistics
-    and their count included). Why: PyTorch's CUDA batch norm forward takes its channels-last
-    kernels for 4-D channels-last inputs only; a 5-D channels-last bf16 input goes the general
-    way, which first copies the whole input to fp32 for the statistics. In a paper-preset step
-    on an H200 (bench/RESULTS.md, 2026-11-28) those copies, the fp32 statistics and the general
-    elementwise kernel took about 48 ms of 189. Parameters and state dict are BatchNorm3d's;
-    on the CPU, with ``mode = "off"`` and in TorchScript it is BatchNorm3d."""
+    4-D channels-last view [B, C, T H, W] of the same memory (no copy in). The statistics are
+    per channel over the same B T H W values, so it is the same normalisation (running
+    statistics and their count included). Why: PyTorch's CUDA batch norm takes its
+    channels-last kernels for 4-D channels-last inputs only; a 5-D channels-last bf16 input goes
+    the general way, which first copies the whole input to fp32 for the statistics (in a
+    paper-preset step on an H200, bench/RESULTS.md, 2026-11-28, those copies, the fp32
+    statistics and the general elementwise kernel took about 48 ms of 189). The output is a
+    tensor of its own, not a view (``_FlatBatchNorm``). Parameters and state dict are
+    BatchNorm3d's; on the CPU, with ``mode = "off"`` and in TorchScript it is BatchNorm3d."""
 
     mode = "flat"  # "flat" or "off" (bench/gpu_session.py's convs part times both)
 
@@ -189,13 +230,22 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     def flat_forward(self, x):
         """The 4-D channels-last view's batch norm, on any device (the tests run it on the
         CPU); inputs of another layout go through BatchNorm3d. Refuses other than 5-D input,
-        as BatchNorm3d."""
+        as BatchNorm3d. The running statistics' rules are _BatchNorm.forward's: the count
+        steps in training, momentum None is the cumulative average, the batch's statistics
+        normalise in training or where no running statistics are kept."""
         nn.BatchNorm3d._check_input_dim(self, x)
         if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d):
             return super().forward(x)
-        b, c, t, h, w = x.shape
-        y = super().forward(x.view(b, c, t * h, w))  # [B, C, T H, W]: 4-D channels-last
-        return y.reshape(b, c, t, h, w)  # a view where y is channels-last, as expected
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        keep = not self.training or self.track_running_stats
+        return _FlatBatchNorm.apply(
+            x, self.weight, self.bias, self.running_mean if keep else None,
+            self.running_var if keep else None, use_batch, factor, self.eps)
 
     def _check_input_dim(self, input):
         # _BatchNorm.forward's check: the 5-D input (checked as such by forward or

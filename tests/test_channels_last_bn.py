@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cmacc.encoders import ChannelsLastBatchNorm3d, video_backbone
 from devices import FakeCuda
@@ -61,22 +62,85 @@ def test_the_flat_view_is_the_same_batch_norm_in_eval():
     torch.testing.assert_close(flat.flat_forward(x), plain(x), rtol=1e-12, atol=1e-12)
 
 
-def test_the_flat_view_is_a_4d_channels_last_batch_norm_without_a_copy(monkeypatch):
-    # what PyTorch is given: the 4-D channels-last view of the input's own memory
+class _Ops(TorchDispatchMode):
+    """Every aten op run under it, with its arguments (an independent record of what PyTorch
+    was given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, args, kwargs))
+        return func(*args, **kwargs)
+
+    def named(self, name):
+        return [(a, k) for f, a, k in self.calls if f.__name__.split(".")[0] == name]
+
+
+def _block_tail(bn, x, identity):
+    # what follows a batch norm in a torchvision block: ReLU(inplace=True), out += identity
+    y = bn.flat_forward(x)
+    y += identity
+    return torch.relu_(y)
+
+
+def test_the_flat_view_is_a_4d_channels_last_batch_norm_without_a_copy():
+    # forward and backward: the 4-D channels-last view of the input's own memory, an output of
+    # its own (not a view, so the in-place ops after it cost no copy of the gradient), and no
+    # copy or clone of anything in either pass
     _, flat = _pair()
-    seen = {}
-    real = torch.nn.functional.batch_norm
-
-    def spy(x, *args, **kwargs):
-        seen["x"] = x
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "batch_norm", spy)
     x = torch.randn(3, 6, 4, 5, 7, dtype=torch.float64).contiguous(memory_format=CL3)
-    flat.flat_forward(x)
-    assert seen["x"].shape == (3, 6, 20, 7)
-    assert seen["x"].is_contiguous(memory_format=torch.channels_last)
-    assert seen["x"].data_ptr() == x.data_ptr()
+    x.requires_grad_()
+    identity = torch.randn_like(x)
+    with _Ops() as ops:
+        y = _block_tail(flat, x, identity)
+        y.backward(torch.randn_like(y))
+    (fwd_args, fwd_kw), = ops.named("native_batch_norm")
+    seen = fwd_args[0]
+    assert seen.shape == (3, 6, 20, 7) and seen.is_contiguous(memory_format=torch.channels_last)
+    assert seen.data_ptr() == x.data_ptr()
+    out = fwd_kw["out"]
+    assert out.shape == (3, 6, 20, 7) and out.is_contiguous(memory_format=torch.channels_last)
+    assert out.data_ptr() == y.data_ptr()
+    (bwd_args, _), = ops.named("native_batch_norm_backward")
+    for t in bwd_args[:2]:  # the gradient and the input: 4-D channels-last
+        assert t.shape == (3, 6, 20, 7) and t.is_contiguous(memory_format=torch.channels_last)
+    copies = [f.__name__ for f, _, _ in ops.calls
+              if f.__name__.split(".")[0] in ("copy_", "clone", "_to_copy", "as_strided_scatter",
+                                              "contiguous")]
+    assert copies == []
+
+
+def test_in_place_ops_after_the_flat_batch_norm_give_batchnorm3ds_gradients():
+    plain, flat = _pair()
+    x = (torch.randn(3, 6, 4, 5, 7, dtype=torch.float64)).contiguous(memory_format=CL3)
+    identity = torch.randn_like(x)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = torch.relu_(plain(x1) + identity)
+    y2 = _block_tail(flat, x2, identity)
+    torch.testing.assert_close(y2, y1, rtol=1e-12, atol=1e-12)
+    gy = torch.randn_like(y1)
+    y1.backward(gy)
+    y2.backward(gy)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-10, atol=1e-12)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(dict(flat.named_parameters())[name].grad, p.grad,
+                                   rtol=1e-10, atol=1e-12)
+
+
+def test_two_forwards_of_one_layer_before_one_backward_give_batchnorm3ds_gradients():
+    # each backward reads its own forward's batch statistics (the running ones change between)
+    plain, flat = _pair()
+    xs = [torch.randn(2, 6, 3, 4, 5, dtype=torch.float64).contiguous(memory_format=CL3)
+          .requires_grad_() for _ in range(2)]
+    ys = [flat.flat_forward(x) for x in xs]
+    sum((y * y).sum() for y in ys).backward()
+    refs = [x.detach().clone().requires_grad_() for x in xs]
+    sum((y * y).sum() for y in (plain(r) for r in refs)).backward()
+    for x, r in zip(xs, refs):
+        torch.testing.assert_close(x.grad, r.grad, rtol=1e-10, atol=1e-12)
 
 
 def test_other_layouts_and_the_cpu_take_batchnorm3d_and_cuda_the_flat_view(monkeypatch):

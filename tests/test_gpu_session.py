@@ -80,10 +80,11 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert len(pairs["step_ratio"]) == 3 and pairs["step_ratio_ci95"] is not None
     assert all(r["active"] == 1.0 for r in pairs["runs"][1::2])  # active selected every step
     assert all(r["active"] == 0.0 for r in pairs["runs"][0::2])
-    lay = by["layers"]  # fast layer forms on, then off, alternating; off / on per pair
-    assert [r["forms"] for r in lay["runs"]] == ["fast", "off"] * sp.LAYER_PAIRS
+    lay = by["layers"]  # fast forms, fast stem only, declared layers, alternating rounds
+    assert [r["forms"] for r in lay["runs"]] == ["fast", "stem", "off"] * sp.LAYER_PAIRS
     assert len(lay["speedup"]) == sp.LAYER_PAIRS and (lay["stem"], lay["bn"]) == ("fold", "flat")
-    assert lay["speedup"][0] == lay["runs"][1]["step_ms"] / lay["runs"][0]["step_ms"]
+    assert lay["speedup"][0] == lay["runs"][2]["step_ms"] / lay["runs"][0]["step_ms"]
+    assert lay["bn_speedup"][1] == lay["runs"][4]["step_ms"] / lay["runs"][3]["step_ms"]
     prof = by["profile"]
     assert (out / prof["trace"]).is_file() and (out / prof["kernels_csv"]).is_file()
     assert prof["top20"] and set(prof["ranges"]) | set(prof["ranges_missing"]) == set(sp.RANGES)
