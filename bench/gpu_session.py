@@ -27,9 +27,13 @@ every key):
    (``cmacc.metrics.mean_ci``);
 2. ``layers``: the same trainer (random sampler) with the video encoders' fast layer forms
    (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults), with the fast stem and
-   BatchNorm3d's own path, and with their declared nn.Conv3d / nn.BatchNorm3d, 2 alternating
-   rounds: step time off / fast and stem-only / fast per round, each mean with its 95 %
+   BatchNorm3d's own path, with their declared nn.Conv3d / nn.BatchNorm3d, and with the fast
+   stem and the Triton batch norm (kernels/triton_batchnorm.py), 2 alternating rounds: step
+   time off / fast, stem-only / fast and fast / triton per round, each mean with its 95 %
    t-interval;
+2b. ``bn``: each BatchNorm3d shape of r3d_18 at the paper batch alone, in training: forward,
+   and forward + backward, in BatchNorm3d's own path, the 4-D view and the Triton kernels (ms,
+   GB/s of the least traffic, the Triton form's largest difference from the view's);
 3. ``select``: one dictionary's selection (N = 38,400, M = 128, head view, ieee dots) for every
    k-means++ variant in kernels/triton_kmeanspp.py ``VARIANTS`` x fp32 / bf16 factors
    (``triton.testing.do_bench``), then the training's two selections on a side stream beside a
@@ -41,7 +45,8 @@ every key):
 5. ``convs``: each r3d_18 conv layer at the paper's shapes (batch 128, 3 x 16 x 112 x 112,
    channels-last-3d, bf16), forward and backward TFLOP/s with cuDNN autotuning
    (``torch.backends.cudnn.benchmark``) off and on, the whole video encoder's forward +
-   backward at both and with its fast layer forms off, and the stem alone in six forms;
+   backward at both, with its fast layer forms off and with the Triton batch norm, and the stem
+   alone in six forms;
 6. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
    per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
    "absent" where it is not there);
@@ -97,7 +102,7 @@ import torch  # noqa: E402  (no CUDA call at import time, here or in the parts' 
 from bench.gpu_check import (_env_without_interpreter, _how_it_ended,  # noqa: E402
                              end_running_part_on_signals, run_in_group)
 from bench.session_common import Skipped, nvidia_smi_clocks  # noqa: E402
-from bench.session_parts import (ncu_target, part_compile, part_convs, part_dali,  # noqa: E402
+from bench.session_parts import (ncu_target, part_bn, part_compile, part_convs, part_dali,  # noqa: E402
                                  part_dist, part_env, part_layers, part_loader, part_ncu,
                                  part_pairs, part_profile, part_select)
 from data_dali.cli import first_line  # noqa: E402
@@ -136,9 +141,11 @@ PARTS = {  # in the order they run: the most valuable first
         "preset", "warmup_steps", "timed_steps", "pairs", "runs", "step_ratio", "step_ratio_mean",
         "step_ratio_ci95", "iter_ratio", "iter_ratio_mean", "iter_ratio_ci95",
         "cudnn_benchmark")),
-    "layers": Spec(part_layers, 110, 60, (
+    "layers": Spec(part_layers, 150, 60, (
         "stem", "bn", "runs", "speedup", "speedup_mean", "speedup_ci95", "bn_speedup",
-        "bn_speedup_mean", "bn_speedup_ci95")),
+        "bn_speedup_mean", "bn_speedup_ci95", "triton_speedup", "triton_speedup_mean",
+        "triton_speedup_ci95")),
+    "bn": Spec(part_bn, 60, 20, ("batch", "forms", "shapes", "encoder_fwd_bwd_ms")),
     "select": Spec(part_select, 60, 25, (
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),

@@ -1,6 +1,7 @@
-"""The `convs` part of bench/gpu_session.py (`make gpu-session`): the video encoder's
+"""The `convs` and `bn` parts of bench/gpu_session.py (`make gpu-session`): the video encoder's
 convolutions one by one and whole, cuDNN autotuning off and on, the encoder with its fast layer
-forms off, and the video stem alone in each of its forms. bench/session_parts.py has the other
+forms off (and with the Triton batch norm), and the video stem alone in each of its forms; each
+BatchNorm3d shape alone in its three forms. bench/session_parts.py has the other
 parts and re-exports this one. Nothing here touches CUDA at import time.
 """
 
@@ -121,7 +122,8 @@ def part_convs(args, report) -> dict:
         if bench:  # the encoder again with the stem's other forms and BatchNorm3d's own path
             for other, cls, mode in (("stem_pad", StemConv3d, "pad"),
                                      ("stem_off", StemConv3d, "off"),
-                                     ("bn_off", ChannelsLastBatchNorm3d, "off")):
+                                     ("bn_off", ChannelsLastBatchNorm3d, "off"),
+                                     ("bn_triton", ChannelsLastBatchNorm3d, "triton")):
                 before = cls.mode
                 cls.mode = mode
                 try:
@@ -228,3 +230,83 @@ def _stem_fold_rows(layer, x3, w3, ref, dev) -> list[dict]:
                          max_rel_diff=float((yf - ref).abs().max() / ref.abs().max())))
         del x, y, gy, yf
     return rows
+
+
+def _bn_shapes(backbone, x) -> list[dict]:
+    """Every BatchNorm3d of ``backbone`` with the input shape it sees on ``x``, by shape."""
+    import torch.nn as nn
+
+    seen, hooks = {}, []
+    for name, mod in backbone.named_modules():
+        if isinstance(mod, nn.BatchNorm3d):
+            def hook(m, inp, _out, name=name):
+                seen.setdefault(tuple(inp[0].shape), []).append(name)
+            hooks.append(mod.register_forward_hook(hook))
+    with torch.no_grad():
+        backbone(x)
+    for h in hooks:
+        h.remove()
+    return [dict(shape=list(shape), names=names) for shape, names in seen.items()]
+
+
+BN_FORMS = ("bn3d", "flat", "triton")  # BatchNorm3d's own path, the 4-D view, the Triton kernels
+
+
+def part_bn(args, report) -> dict:
+    """Each BatchNorm3d shape of the video encoder at the paper batch, alone, in training:
+    forward, and forward + backward (input, weight and bias gradients), in BatchNorm3d's own
+    path, the 4-D channels-last view (``flat``) and kernels/triton_batchnorm.py (``triton``);
+    ms, the GB/s of the bytes each form must move at least (forward: x read twice, y written;
+    backward: g and x read twice, dx written), and the largest difference of the triton form's
+    output and input gradient from the flat form's (over the largest value)."""
+    import torch.nn as nn
+
+    from cmacc.config import PRESETS
+    from cmacc.encoders import ChannelsLastBatchNorm3d, video_backbone
+    from kernels import triton_batchnorm as tbn
+
+    sz = sizes(args)
+    dev = sz.device
+    cfg = PRESETS[sz.preset]
+    mc, dc = cfg.model, cfg.data
+    cl = torch.channels_last_3d
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    backbone = video_backbone(mc.video_arch, mc.video_width, mc.video_layers).to(dev)
+    shapes = _bn_shapes(backbone.to(memory_format=cl).eval(), torch.randn(
+        sz.conv_batch, 3, dc.frames, dc.size, dc.size, device=dev).contiguous(memory_format=cl))
+    del backbone
+    rows = []
+    for row in shapes:
+        torch.manual_seed(0)
+        x = torch.randn(row["shape"], device=dev, dtype=dtype).contiguous(memory_format=cl)
+        xr = x.detach().requires_grad_()
+        gy = torch.randn_like(x)
+        layer = ChannelsLastBatchNorm3d(row["shape"][1]).to(dev).train()
+        run = {"bn3d": lambda t: nn.BatchNorm3d.forward(layer, t), "flat": layer.flat_forward,
+               "triton": layer.triton_forward}
+        size = x.numel() * x.element_size()
+        row.update(dtype=str(dtype).split(".")[-1], triton_takes=tbn.supports(x),
+                   min_mb_fwd=3 * size / 1e6, min_mb_bwd=5 * size / 1e6)
+        outs = {}
+        for form in BN_FORMS:
+            fn = run[form]
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                fwd = bench_ms(lambda fn=fn: fn(x), dev)
+                both = bench_ms(lambda fn=fn: torch.autograd.grad(
+                    fn(xr), [xr, layer.weight, layer.bias], gy), dev)
+            row[f"{form}_fwd_ms"], row[f"{form}_fwd_bwd_ms"] = fwd, both
+            row[f"{form}_fwd_gb_s"] = row["min_mb_fwd"] / fwd / 1e3
+            row[f"{form}_bwd_gb_s"] = row["min_mb_bwd"] / max(both - fwd, 1e-6) / 1e3
+            y = fn(xr)
+            outs[form] = (y.detach().float(), torch.autograd.grad(y, xr, gy)[0].float())
+        for i, what in enumerate(("y", "dx")):
+            ref = outs["flat"][i]
+            row[f"triton_{what}_diff"] = float((outs["triton"][i] - ref).abs().max()
+                                               / ref.abs().max().clamp_min(1e-30))
+        rows.append(row)
+        report(shapes=rows)
+        del x, xr, gy, outs
+    total = {form: sum(len(r["names"]) * r[f"{form}_fwd_bwd_ms"] for r in rows)
+             for form in BN_FORMS}
+    return dict(batch=sz.conv_batch, forms=list(BN_FORMS), shapes=rows,
+                encoder_fwd_bwd_ms=total)

@@ -32,7 +32,7 @@ import torch
 from bench.gpu_check import PartFailed, _pool, _time_settings, dali_throughput, versions
 from bench.session_common import (Skipped, _rows, nvidia_smi_clocks, sizes, sync, trainer_run,
                                   wall_ms)
-from bench.session_convs import part_convs  # noqa: F401  (the convs part, in its own module)
+from bench.session_convs import part_bn, part_convs  # noqa: F401  (in their own module)
 from data_dali.cli import first_line
 
 DRIVER = Path(__file__).resolve().with_name("gpu_session.py")  # the command (ncu's target too)
@@ -123,14 +123,17 @@ def part_pairs(args, report) -> dict:
 def part_layers(args, report) -> dict:
     """The training step with the video encoders' fast layer forms (StemConv3d,
     ChannelsLastBatchNorm3d: the defaults, "fast"), with the fast stem and BatchNorm3d's own
-    path ("stem"), and with their declared nn.Conv3d / nn.BatchNorm3d ("off"), random sampler,
-    alternating rounds; per round off / fast and stem / fast step time, with mean_ci."""
+    path ("stem"), with their declared nn.Conv3d / nn.BatchNorm3d ("off"), and with the fast
+    stem and the Triton batch norm ("triton": kernels/triton_batchnorm.py), random sampler,
+    alternating rounds; per round off / fast, stem / fast and fast / triton step time, each
+    with mean_ci."""
     from cmacc.encoders import ChannelsLastBatchNorm3d, StemConv3d
     from cmacc.metrics import mean_ci
 
     sz = sizes(args)
     defaults = StemConv3d.mode, ChannelsLastBatchNorm3d.mode
-    forms = {"fast": defaults, "stem": (defaults[0], "off"), "off": ("off", "off")}
+    forms = {"fast": defaults, "stem": (defaults[0], "off"), "off": ("off", "off"),
+             "triton": (defaults[0], "triton")}
 
     def run(name):
         StemConv3d.mode, ChannelsLastBatchNorm3d.mode = forms[name]
@@ -141,13 +144,13 @@ def part_layers(args, report) -> dict:
 
     runs, rounds = _alternate(LAYER_PAIRS, {f: (lambda f=f: run(f)) for f in forms},
                               report, "layers")
-    ratio = [p["off"]["step_ms"] / p["fast"]["step_ms"] for p in rounds]
-    bn_ratio = [p["stem"]["step_ms"] / p["fast"]["step_ms"] for p in rounds]
-    mean, half = mean_ci(ratio)
-    bn_mean, bn_half = mean_ci(bn_ratio)
-    return dict(stem=defaults[0], bn=defaults[1], runs=runs, speedup=ratio,
-                speedup_mean=mean, speedup_ci95=half, bn_speedup=bn_ratio,
-                bn_speedup_mean=bn_mean, bn_speedup_ci95=bn_half)
+    figures = dict(stem=defaults[0], bn=defaults[1], runs=runs)
+    for key, (num, den) in (("speedup", ("off", "fast")), ("bn_speedup", ("stem", "fast")),
+                            ("triton_speedup", ("fast", "triton"))):
+        ratio = [p[num]["step_ms"] / p[den]["step_ms"] for p in rounds]
+        mean, half = mean_ci(ratio)
+        figures.update({key: ratio, f"{key}_mean": mean, f"{key}_ci95": half})
+    return figures
 
 
 LAYER_PAIRS = 2

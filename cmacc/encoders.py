@@ -219,9 +219,13 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     tensor of its own, not a view (``_FlatBatchNorm``). Parameters and state dict are
     BatchNorm3d's; on the CPU, with ``mode = "off"`` and in TorchScript it is BatchNorm3d."""
 
-    mode = "flat"  # "flat" or "off" (bench/gpu_session.py's convs part times both)
+    # "flat", "triton" (kernels/triton_batchnorm.py: the batch's statistics in training; not
+    # yet timed on a GPU, so not the default) or "off" (bench/gpu_session.py times each)
+    mode = "flat"
 
     def forward(self, x):
+        if self.mode == "triton" and x.is_cuda:
+            return self.triton_forward(x)
         if self.mode != "off" and x.is_cuda:
             return self.flat_forward(x)
         nn.BatchNorm3d._check_input_dim(self, x)  # 5-D, as BatchNorm3d (this class's own
@@ -236,16 +240,41 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
         nn.BatchNorm3d._check_input_dim(self, x)
         if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d):
             return super().forward(x)
+        use_batch, running, factor = self._batch_args(x)
+        return _FlatBatchNorm.apply(x, self.weight, self.bias, *running, use_batch, factor,
+                                    self.eps)
+
+    def triton_forward(self, x):
+        """The batch's statistics by kernels/triton_batchnorm.py (``mode = "triton"``; on the
+        CPU under TRITON_INTERPRET=1 in the tests): in training, for a dense channels_last_3d
+        fp32 / bf16 / fp16 input; otherwise (eval with running statistics, other inputs) as
+        ``flat_forward``. The same running-statistics rules."""
+        nn.BatchNorm3d._check_input_dim(self, x)
+        from kernels import triton_batchnorm as tbn
+
+        if not (self.training or (self.running_mean is None and self.running_var is None)) \
+                or not tbn.supports(x):
+            return self.flat_forward(x)
+        _, running, factor = self._batch_args(x)
+        return tbn.batch_norm_train(x, self.weight, self.bias, *running, factor, self.eps)
+
+    def _batch_args(self, x):
+        """_BatchNorm.forward's arguments, its count stepped: (normalise by the batch's
+        statistics, (running mean, running var) or Nones when not updated or used, the
+        momentum factor). Refuses a batch of one value per channel in training, as
+        F.batch_norm."""
         factor = 0.0 if self.momentum is None else self.momentum
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        if use_batch and x.numel() // x.shape[1] < 2:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input "
+                             f"size {list(x.shape)}")
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
-        use_batch = self.training or (self.running_mean is None and self.running_var is None)
         keep = not self.training or self.track_running_stats
-        return _FlatBatchNorm.apply(
-            x, self.weight, self.bias, self.running_mean if keep else None,
-            self.running_var if keep else None, use_batch, factor, self.eps)
+        running = (self.running_mean, self.running_var) if keep else (None, None)
+        return use_batch, running, factor
 
     def _check_input_dim(self, input):
         # _BatchNorm.forward's check: the 5-D input (checked as such by forward or

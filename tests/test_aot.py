@@ -153,3 +153,35 @@ def test_the_resident_kernel_compiles_for_h100_without_spills():
     last = out.splitlines()[-1]
     assert "_kmeanspp_step_kernel" in last and "resident" not in last, out
     print(out)
+
+
+def test_the_batch_norm_kernels_compile_for_h100_without_spills():
+    """kernels/triton_batchnorm.py's six launches (forward statistics, their merge, the
+    normalisation; the backward's sums, their merge, the input gradient) as the trainer makes
+    them for r3d_18's channel counts (64, 128, 256, 512) in bf16, and for fp32 and a channel
+    count that is not a power of two: each compiles for sm_90 with no spill (the launches are
+    recorded on CPU tensors of the same channel count)."""
+    pytest.importorskip("triton.backends.nvidia")
+    out = _run(
+        "import torch\n"
+        "import kernels._aot as a\n"
+        "import kernels.triton_batchnorm as bn\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "ks = [bn._stats_partial_kernel, bn._stats_merge_kernel, bn._normalise_kernel, "
+        "bn._grad_partial_kernel, bn._grad_merge_kernel, bn._grad_input_kernel]\n"
+        "bn.INTERPRETED = True  # supports() takes the CPU tensors (nothing runs: recorded)\n"
+        "for c, dt in ((64, torch.bfloat16), (128, torch.bfloat16), (256, torch.bfloat16), "
+        "(512, torch.bfloat16), (64, torch.float32), (100, torch.float16)):\n"
+        "    x = torch.zeros(4, c, 4, 8, 8, dtype=dt).contiguous(memory_format="
+        "torch.channels_last_3d)\n"
+        "    w = torch.ones(c)\n"
+        "    with a._recording(ks) as calls:\n"
+        "        bn._forward(x, w, w, torch.zeros(c), torch.ones(c), 0.1, 1e-5)\n"
+        "        bn._backward(x, x, w, w, w)\n"
+        "    assert [f.__name__ for f, _, _ in calls] == [k.__name__ for k in ks], calls\n"
+        "    for fn, args, kw in calls:\n"
+        "        ck, _, _ = a._compile_call(fn, args, kw, GPUTarget('cuda', 90, 32))\n"
+        "        print(c, dt, fn.__name__, '|', a._ptxas_info(ck.asm['ptx'], 90))\n")
+    rows = [ln for ln in out.splitlines() if "|" in ln]
+    assert len(rows) == 6 * 6, out
+    assert all("0 bytes spill stores" in r for r in rows), out

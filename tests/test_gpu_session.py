@@ -3,6 +3,7 @@ writes one JSON line per part, in order, with the keys the GPU session writes (t
 first, the end line last); a part whose process dies costs only its own line, which names how it
 ended and the command that reruns it alone. (The figures themselves are taken on a GPU.)"""
 
+import argparse
 import json
 import os
 import subprocess
@@ -71,7 +72,8 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert list(lines[-1]) == list(gs.HEAD) + list(gs.END)
     by = {ln["part"]: ln for ln in lines}
     assert by["env"]["status"] == "ok" and by["env"]["dry_run"] is True
-    for name in ("pairs", "layers", "profile", "convs", "loader", "compile", "select", "dist"):
+    for name in ("pairs", "layers", "bn", "profile", "convs", "loader", "compile", "select",
+                 "dist"):
         assert by[name]["status"] == "ok", by[name]
     assert by["dali"]["status"] == "skipped" and "dry run" in by["dali"]["why"]
     assert by["ncu"]["status"] == "skipped" or by["ncu"]["status"] == "ok"  # ncu on PATH or not
@@ -80,11 +82,16 @@ def test_the_dry_run_writes_one_line_per_part_with_its_keys_in_order(tmp_path):
     assert len(pairs["step_ratio"]) == 3 and pairs["step_ratio_ci95"] is not None
     assert all(r["active"] == 1.0 for r in pairs["runs"][1::2])  # active selected every step
     assert all(r["active"] == 0.0 for r in pairs["runs"][0::2])
-    lay = by["layers"]  # fast forms, fast stem only, declared layers, alternating rounds
-    assert [r["forms"] for r in lay["runs"]] == ["fast", "stem", "off"] * sp.LAYER_PAIRS
+    lay = by["layers"]  # fast forms, fast stem only, declared layers, triton batch norm
+    assert [r["forms"] for r in lay["runs"]] == ["fast", "stem", "off", "triton"] * sp.LAYER_PAIRS
     assert len(lay["speedup"]) == sp.LAYER_PAIRS and (lay["stem"], lay["bn"]) == ("fold", "flat")
     assert lay["speedup"][0] == lay["runs"][2]["step_ms"] / lay["runs"][0]["step_ms"]
-    assert lay["bn_speedup"][1] == lay["runs"][4]["step_ms"] / lay["runs"][3]["step_ms"]
+    assert lay["bn_speedup"][1] == lay["runs"][5]["step_ms"] / lay["runs"][4]["step_ms"]
+    assert lay["triton_speedup"][1] == lay["runs"][4]["step_ms"] / lay["runs"][7]["step_ms"]
+    bn = by["bn"]  # each BatchNorm3d shape alone, three forms
+    assert bn["shapes"] and all(f"{f}_fwd_bwd_ms" in r for r in bn["shapes"] for f in bn["forms"])
+    assert sum(len(r["names"]) for r in bn["shapes"]) == _batch_norms(sp.sizes(_DRY).preset)
+    assert all(r["triton_y_diff"] < 1e-5 and r["triton_dx_diff"] < 1e-5 for r in bn["shapes"])
     prof = by["profile"]
     assert (out / prof["trace"]).is_file() and (out / prof["kernels_csv"]).is_file()
     assert prof["top20"] and set(prof["ranges"]) | set(prof["ranges_missing"]) == set(sp.RANGES)
@@ -284,3 +291,18 @@ def test_a_parts_trainer_runs_make_the_synthetic_clips_once(monkeypatch):
     runs = [sc.trainer_run(sc.DRY, "random", timed=1) for _ in range(2)]
     assert made == [0] and data.synthetic_clips is counting
     assert runs[0]["steps"] == runs[1]["steps"] == 1
+
+
+_DRY = argparse.Namespace(dry_run=True)
+
+
+def _batch_norms(preset: str) -> int:
+    """How many BatchNorm3d the preset's video encoder has (the ``bn`` part times each)."""
+    import torch.nn as nn
+
+    from cmacc.config import PRESETS
+    from cmacc.encoders import video_backbone
+
+    mc = PRESETS[preset].model
+    return sum(isinstance(m, nn.BatchNorm3d) for m in video_backbone(
+        mc.video_arch, mc.video_width, mc.video_layers).modules())
