@@ -291,8 +291,8 @@ def part_bn(args, report) -> dict:
         for form in BN_FORMS:
             fn = run[form]
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                fwd = bench_ms(lambda fn=fn: fn(x), dev)
-                both = bench_ms(lambda fn=fn: torch.autograd.grad(
+                fwd = bench_ms(lambda fn=fn, x=x: fn(x), dev)
+                both = bench_ms(lambda fn=fn, xr=xr, gy=gy: torch.autograd.grad(
                     fn(xr), [xr, layer.weight, layer.bias], gy), dev)
             row[f"{form}_fwd_ms"], row[f"{form}_fwd_bwd_ms"] = fwd, both
             row[f"{form}_fwd_gb_s"] = row["min_mb_fwd"] / fwd / 1e3

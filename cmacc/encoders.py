@@ -22,7 +22,6 @@ import contextlib
 import copy
 import os
 import re
-from pathlib import Path
 
 import torch
 import torch.nn as nn
