@@ -1,6 +1,6 @@
 """`make gpu-session`: one lent GPU turned into every figure, in one call of at most 9 minutes.
 
-    python3 bench/gpu_session.py [--out DIR] [--budget-s 480] [--part NAME ...]
+    python3 bench/gpu_session.py [--out DIR] [--budget-s 540] [--part NAME ...]
                                  [--pairs 3] [--dali-manifest CSV] [--dry-run]
 
 Written for a machine with torch and triton but no package index (it never installs anything:
@@ -50,20 +50,21 @@ every key):
 6. ``loader``: the in-memory loader alone at the paper batch: gather, pin and host-to-device ms
    per batch and batches/s, without and with the background prefetch (cmacc/prefetch.py;
    "absent" where it is not there);
-7. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
-   ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
-   resume: the distributed paths on CUDA tensors before a multi-GPU run;
-8. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
+7. ``dali``: DALI decode throughput of ``--dali-manifest`` clips (bench/gpu_check.py's part), or
    a line saying why it was skipped;
-9. ``ncu``: Nsight Compute (``--set basic``, 6 launches, the selection's own: not its plan's
-   warm-up) on the selection's kernels: ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
-10. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
-   warm-up (compile) time and the step time, or the error line (last: a cold inductor
-   compile may take its whole cap);
+8. ``ncu``: Nsight Compute (``--set basic`` and the warp stall reasons, 6 launches, the
+   selection's own: not its plan's warm-up) on the selection's kernels: ``ncu_selection.ncu-rep`` and ``ncu_selection.csv``;
+9. ``compile``: the paper trainer with ``--compile`` (torch.compile of the backbones): the
+   warm-up (compile) time and the step time, or the error line (a cold inductor compile may
+   take its whole cap);
+10. ``dist``: ``torchrun --nproc_per_node 2`` on the one GPU with ``--dist-backend gloo`` (the
+   ranks share it): a few steps with DDP, shuffle-BN, the gathers and a checkpoint, then a
+   resume: the distributed paths on CUDA tensors before a multi-GPU run (last: a test of the
+   paths, no speed figure, run when the budget leaves time for it);
 
 and a closing ``end`` line (failed and skipped parts, the clocks after the session).
 
-Time: ``--budget-s`` (default 480 s) for the whole session; each part has a time cap (PARTS
+Time: ``--budget-s`` (default 540 s) for the whole session; each part has a time cap (PARTS
 below) and is given at most the budget left; a part is skipped, with a line that says so and
 the command that runs it alone, when less is left than it needs. A failed part's line names how
 it ended, its error, the figures it had reported so far and the command that reruns it alone
@@ -161,15 +162,16 @@ PARTS = {  # in the order they run: the most valuable first
         "batch", "clips", "make_s", "batch_mb", "batches", "gather_ms", "pin_ms", "h2d_ms",
         "h2d_gb_s", "serial_batches_per_s", "prefetch", "prefetch_batches_per_s",
         "prefetch_speedup")),
-    "dist": Spec(part_dist, 120, 45, (
-        "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
-        "resumed")),
     "dali": Spec(part_dali, 60, 20, ("manifest", "summary", "clips_per_s")),
     "ncu": Spec(part_ncu, 90, 60, ("command", "report", "csv", "kernels")),
     # last: a cold inductor compile of the paper encoders may take its whole cap
     "compile": Spec(part_compile, 150, 60, (
         "backend", "warm_s", "step_ms", "iter_ms", "clips_per_s", "mfu", "error",
         "forwards_started_at_s")),
+    # after compile: a test of the distributed paths (no speed figure), run when time is left
+    "dist": Spec(part_dist, 120, 45, (
+        "world", "backend", "device", "runs", "steps", "loss", "active", "clips_per_s",
+        "resumed")),
 }
 ENV = Spec(part_env, 60, 0, (
     "device", "sm_count", "memory_gib", "capability", "l2_mib", "torch", "triton", "cuda",
@@ -339,9 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu_session"),
                    help=f"folder for {LINES} and the parts' files (default $OUT, else "
                         "runs/gpu_session)")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="seconds for the whole session (default 480: one 10-minute device call "
-                        "with room for the machine's start)")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="seconds for the whole session (default 540: one 10-minute device call "
+                        "with a minute to spare)")
     p.add_argument("--part", nargs="+", choices=tuple(PARTS), help="run only these parts")
     p.add_argument("--pairs", type=int, default=3,
                    help="pairs part: alternating random / active pairs (default 3)")

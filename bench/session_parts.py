@@ -641,9 +641,10 @@ def part_ncu(args, report) -> dict:
     target = ([sys.executable, str(DRIVER), "--ncu-target"] + (["--dry-run"] * args.dry_run)
               + (["--ncu-engine", args.ncu_engine] if args.ncu_engine else []))
     # --cache-control none: the launches see the caches as the selection left them (ncu's
-    # default flushes them before each profiled launch: per-launch times were upper bounds)
+    # default flushes them before each profiled launch: per-launch times were upper bounds);
+    # WarpStateStats: what the warps wait on (a round's latency: the barrier, loads, compute)
     cmd = [exe, "--target-processes", "all", "--clock-control", "none", "--cache-control",
-           "none", "--set", "basic",
+           "none", "--set", "basic", "--section", "WarpStateStats",
            "--profile-from-start", "off", "--kernel-name", NCU_KERNELS,
            "--launch-count", str(NCU_LAUNCHES), "-f", "-o", str(rep), *target]
     t0 = time.monotonic()
