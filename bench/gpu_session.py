@@ -28,9 +28,9 @@ every key):
 2. ``layers``: the same trainer (random sampler) with the video encoders' fast layer forms
    (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults), with the fast stem and
    BatchNorm3d's own path, with their declared nn.Conv3d / nn.BatchNorm3d, and with the fast
-   stem and the Triton batch norm (kernels/triton_batchnorm.py), 2 alternating rounds: step
-   time off / fast, stem-only / fast and fast / triton per round, each mean with its 95 %
-   t-interval;
+   stem and the Triton batch norm with its fused add and ReLU (kernels/triton_batchnorm.py),
+   2 alternating rounds: step time off / fast, stem-only / fast and fast / triton per round,
+   each mean with its 95 % t-interval;
 2b. ``bn``: each BatchNorm3d shape of r3d_18 at the paper batch alone, in training: forward,
    and forward + backward, in BatchNorm3d's own path, the 4-D view and the Triton kernels (ms,
    GB/s of the least traffic, the Triton form's largest difference from the view's);

@@ -254,7 +254,8 @@ BN_FORMS = ("bn3d", "flat", "triton")  # BatchNorm3d's own path, the 4-D view, t
 
 def part_bn(args, report) -> dict:
     """Each BatchNorm3d shape of the video encoder at the paper batch, alone, in training:
-    forward, and forward + backward (input, weight and bias gradients), in BatchNorm3d's own
+    forward (under no_grad, as the key encoder runs it), and forward + backward (input, weight
+    and bias gradients; backward GB/s from the difference), in BatchNorm3d's own
     path, the 4-D channels-last view (``flat``) and kernels/triton_batchnorm.py (``triton``);
     ms, the GB/s of the bytes each form must move at least (forward: x read twice, y written;
     backward: g and x read twice, dx written), and the largest difference of the triton form's
@@ -291,7 +292,8 @@ def part_bn(args, report) -> dict:
         for form in BN_FORMS:
             fn = run[form]
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
-                fwd = bench_ms(lambda fn=fn, x=x: fn(x), dev)
+                with torch.no_grad():  # the forward's kernels alone (the key encoder's case)
+                    fwd = bench_ms(lambda fn=fn, x=x: fn(x), dev)
                 both = bench_ms(lambda fn=fn, xr=xr, gy=gy: torch.autograd.grad(
                     fn(xr), [xr, layer.weight, layer.bias], gy), dev)
             row[f"{form}_fwd_ms"], row[f"{form}_fwd_bwd_ms"] = fwd, both

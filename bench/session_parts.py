@@ -124,7 +124,8 @@ def part_layers(args, report) -> dict:
     """The training step with the video encoders' fast layer forms (StemConv3d,
     ChannelsLastBatchNorm3d: the defaults, "fast"), with the fast stem and BatchNorm3d's own
     path ("stem"), with their declared nn.Conv3d / nn.BatchNorm3d ("off"), and with the fast
-    stem and the Triton batch norm ("triton": kernels/triton_batchnorm.py), random sampler,
+    stem and the Triton batch norm with its fused residual add and ReLU ("triton":
+    kernels/triton_batchnorm.py), random sampler,
     alternating rounds; per round off / fast, stem / fast and fast / triton step time, each
     with mean_ci."""
     from cmacc.encoders import ChannelsLastBatchNorm3d, StemConv3d

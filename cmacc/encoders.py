@@ -223,7 +223,7 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     mode = "flat"
 
     def forward(self, x):
-        if self.mode == "triton" and x.is_cuda:
+        if self.mode == "triton" and _triton_device(x):
             return self.triton_forward(x)
         if self.mode != "off" and x.is_cuda:
             return self.flat_forward(x)
@@ -231,8 +231,9 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
         return super().forward(x)                 # check lets the 4-D view through)
 
     def flat_forward(self, x):
-        """The 4-D channels-last view's batch norm, on any device (the tests run it on the
-        CPU); inputs of another layout go through BatchNorm3d. Refuses other than 5-D input,
+        """The 4-D channels-last view's batch norm (the tests run it on the CPU, with fp32 or
+        fp64 parameters; once differentiable: no double backward); inputs of another layout
+        go through BatchNorm3d. Refuses other than 5-D input,
         as BatchNorm3d. The running statistics' rules are _BatchNorm.forward's: the count
         steps in training, momentum None is the cumulative average, the batch's statistics
         normalise in training or where no running statistics are kept."""
@@ -256,6 +257,25 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
             return self.flat_forward(x)
         _, running, factor = self._batch_args(x)
         return tbn.batch_norm_train(x, self.weight, self.bias, *running, factor, self.eps)
+
+    def fused_forward(self, x, residual=None, relu=False):
+        """``self(x)``, then ``+= residual`` and an in-place ReLU when asked (what torchvision's
+        blocks do after a batch norm), as ONE Triton pass over the activation where ``mode``
+        is "triton", the batch's statistics normalise and the kernels take x and the residual
+        (kernels/triton_batchnorm.py); otherwise as those three ops."""
+        if self.mode == "triton" and _triton_device(x):
+            from kernels import triton_batchnorm as tbn
+
+            use_batch = self.training or (self.running_mean is None and self.running_var is None)
+            if use_batch and tbn.supports(x) and (residual is None or tbn.fits(residual, x)):
+                nn.BatchNorm3d._check_input_dim(self, x)
+                _, running, factor = self._batch_args(x)
+                return tbn.batch_norm_train(x, self.weight, self.bias, *running, factor,
+                                            self.eps, residual=residual, relu=relu)
+        y = self(x)
+        if residual is not None:
+            y += residual
+        return torch.relu_(y) if relu else y
 
     def _batch_args(self, x):
         """_BatchNorm.forward's arguments, its count stepped: (normalise by the batch's
@@ -287,20 +307,87 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
         return plain
 
 
+def _triton_device(x) -> bool:
+    """Where ``mode = "triton"`` runs the Triton kernels: CUDA tensors, and CPU tensors when the
+    kernels run under the interpreter (TRITON_INTERPRET=1: the tests)."""
+    if x.is_cuda:
+        return True
+    if x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    from kernels import triton_batchnorm as tbn
+
+    return tbn.INTERPRETED
+
+
+class _FusingSequential(nn.Sequential):
+    """nn.Sequential that, in ``ChannelsLastBatchNorm3d.mode`` "triton", runs each batch norm
+    followed by a ReLU as one fused pass (``fused_forward``): the stem, a block's first
+    convolution (conv, BN, ReLU) and r(2+1)d's factored convolutions. Otherwise, in TorchScript
+    and on the CPU, nn.Sequential."""
+
+    def forward(self, x):
+        if ChannelsLastBatchNorm3d.mode != "triton":
+            return super().forward(x)
+        mods = list(self)
+        i = 0
+        while i < len(mods):
+            if (type(mods[i]) is ChannelsLastBatchNorm3d and i + 1 < len(mods)
+                    and type(mods[i + 1]) is nn.ReLU):
+                x = mods[i].fused_forward(x, relu=True)
+                i += 2
+            else:
+                x = mods[i](x)
+                i += 1
+        return x
+
+    def __prepare_scriptable__(self):
+        plain = copy.copy(self)
+        plain.__class__ = nn.Sequential
+        return plain
+
+
+class _FusedBasicBlock(BasicBlock3d):
+    """torchvision's BasicBlock whose last batch norm, residual add and ReLU run as one fused
+    pass in ``ChannelsLastBatchNorm3d.mode`` "triton" (``fused_forward``); otherwise, in
+    TorchScript and on the CPU, BasicBlock's forward. Same parameters and state dict."""
+
+    def forward(self, x):
+        bn = self.conv2[-1]
+        if ChannelsLastBatchNorm3d.mode != "triton" or type(bn) is not ChannelsLastBatchNorm3d:
+            return super().forward(x)
+        out = self.conv1(x)
+        for mod in list(self.conv2)[:-1]:
+            out = mod(out)
+        residual = x if self.downsample is None else self.downsample(x)
+        return bn.fused_forward(out, residual=residual, relu=True)
+
+    def __prepare_scriptable__(self):
+        plain = copy.copy(self)
+        plain.__class__ = BasicBlock3d
+        return plain
+
+
 FAST_LAYERS_ENV = "CMACC_FAST_LAYERS"  # "0": the declared layers on CUDA too (set at import)
 if os.environ.get(FAST_LAYERS_ENV, "1") == "0":
     StemConv3d.mode = ChannelsLastBatchNorm3d.mode = "off"
 
 
 def fast_video_layers(backbone: nn.Module) -> nn.Module:
-    """``backbone`` with its stem's first Conv3d made a StemConv3d and every BatchNorm3d a
-    ChannelsLastBatchNorm3d (the same parameters and buffers, in place); returns it."""
+    """``backbone`` with its stem's first Conv3d made a StemConv3d, every BatchNorm3d a
+    ChannelsLastBatchNorm3d, every torchvision BasicBlock a _FusedBasicBlock and every plain
+    nn.Sequential holding a batch norm then a ReLU a _FusingSequential (the same parameters
+    and buffers, in place; the last two differ only in "triton" mode); returns it."""
     conv = backbone.stem[0]
     if type(conv) is nn.Conv3d:
         conv.__class__ = StemConv3d
     for mod in backbone.modules():
         if type(mod) is nn.BatchNorm3d:
             mod.__class__ = ChannelsLastBatchNorm3d
+        elif type(mod) is BasicBlock3d:
+            mod.__class__ = _FusedBasicBlock
+        elif type(mod) is nn.Sequential and any(
+                type(a) is nn.BatchNorm3d and type(b) is nn.ReLU for a, b in zip(mod, mod[1:])):
+            mod.__class__ = _FusingSequential
     return backbone
 
 

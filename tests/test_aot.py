@@ -157,10 +157,11 @@ def test_the_resident_kernel_compiles_for_h100_without_spills():
 
 def test_the_batch_norm_kernels_compile_for_h100_without_spills():
     """kernels/triton_batchnorm.py's six launches (forward statistics, their merge, the
-    normalisation; the backward's sums, their merge, the input gradient) as the trainer makes
-    them for r3d_18's channel counts (64, 128, 256, 512) in bf16, and for fp32 and a channel
-    count that is not a power of two: each compiles for sm_90 with no spill (the launches are
-    recorded on CPU tensors of the same channel count)."""
+    normalisation; the backward's sums, their merge, the input gradient), plain and with the
+    residual add and ReLU fused, as the trainer makes them for r3d_18's channel counts (64,
+    128, 256, 512) in bf16, and for fp32 and a channel count that is not a power of two: each
+    compiles for sm_90 with no spill (the launches are recorded on CPU tensors of the same
+    channel count)."""
     pytest.importorskip("triton.backends.nvidia")
     out = _run(
         "import torch\n"
@@ -177,11 +178,13 @@ def test_the_batch_norm_kernels_compile_for_h100_without_spills():
         "    w = torch.ones(c)\n"
         "    with a._recording(ks) as calls:\n"
         "        bn._forward(x, w, w, torch.zeros(c), torch.ones(c), 0.1, 1e-5)\n"
-        "        bn._backward(x, x, w, w, w)\n"
-        "    assert [f.__name__ for f, _, _ in calls] == [k.__name__ for k in ks], calls\n"
+        "        bn._backward(x, x, x, w, w, w)\n"
+        "        bn._forward(x, w, w, None, None, 0.1, 1e-5, residual=x, relu=True)\n"
+        "        bn._backward(x, x, x, w, w, w, has_residual=True, relu=True)\n"
+        "    assert [f.__name__ for f, _, _ in calls] == [k.__name__ for k in ks] * 2, calls\n"
         "    for fn, args, kw in calls:\n"
         "        ck, _, _ = a._compile_call(fn, args, kw, GPUTarget('cuda', 90, 32))\n"
         "        print(c, dt, fn.__name__, '|', a._ptxas_info(ck.asm['ptx'], 90))\n")
     rows = [ln for ln in out.splitlines() if "|" in ln]
-    assert len(rows) == 6 * 6, out
+    assert len(rows) == 6 * 12, out
     assert all("0 bytes spill stores" in r for r in rows), out

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import kernels.triton_batchnorm as tbn
-from cmacc.encoders import ChannelsLastBatchNorm3d
+from cmacc.encoders import ChannelsLastBatchNorm3d, video_backbone
 from devices import FakeCuda
 
 CL3 = torch.channels_last_3d
@@ -42,10 +42,13 @@ def _close(got, want, rel):
 
 
 @pytest.mark.parametrize("shape", [(3, 6, 4, 5, 7), (2, 64, 3, 5, 5), (2, 100, 2, 3, 3),
-                                   (3, 2, 1, 1, 1), (4, 16, 2, 4, 4)])
-@pytest.mark.parametrize("slabs", [512, 2])  # slabs of one tile, and of many tiles
-def test_training_batch_norm_equals_batchnorm3d(shape, slabs, monkeypatch):
+                                   (3, 2, 1, 1, 1), (4, 16, 2, 4, 4), (3, 24, 5, 7, 11)])
+@pytest.mark.parametrize("slabs,merge", [(512, 64), (2, 64), (512, 2)])
+def test_training_batch_norm_equals_batchnorm3d(shape, slabs, merge, monkeypatch):
+    # slabs of one tile and of many (the last one cut short: 515 rows over 5 tiles at
+    # (3, 24, 5, 7, 11) in 2 slabs); the merges over one block of partials and over many
     monkeypatch.setattr(tbn, "SLABS", slabs)
+    monkeypatch.setitem(tbn.MERGE, "BLOCK_P", merge)
     c = shape[1]
     ref = _reference(c)
     x = _input(shape)
@@ -159,8 +162,10 @@ def test_what_the_kernels_do_not_take_goes_the_flat_way_and_cuda_takes_triton(mo
     taken.clear()
     monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "triton")
     layer(cl.as_subclass(FakeCuda))  # CUDA: the triton path
-    layer(cl)  # the CPU: BatchNorm3d
-    assert taken == ["triton"]
+    layer(cl)  # the CPU under the interpreter (these tests): the triton path too
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layer(cl)  # the CPU otherwise: BatchNorm3d
+    assert taken == ["triton", "triton"]
 
 
 def test_one_value_per_channel_in_training_is_refused_as_batchnorm3d():
@@ -172,3 +177,172 @@ def test_one_value_per_channel_in_training_is_refused_as_batchnorm3d():
             fn(x)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         tbn.batch_norm_train(x, None, None, None, None, 0.1, 1e-5)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_fused_residual_and_relu_equal_the_ops_after_batchnorm3d(relu, residual):
+    ref = _reference(16)
+    x = _input((2, 16, 3, 4, 4), offset=0.3)
+    r = _input((2, 16, 3, 4, 4), scale=1.0, offset=0.0)
+    x64, r64 = x.double().requires_grad_(), r.double().requires_grad_()
+    y64 = ref(x64)
+    if residual:
+        y64 = y64 + r64
+    if relu:
+        y64 = torch.relu(y64)
+    w = ref.weight.detach().float().clone().requires_grad_()
+    b = ref.bias.detach().float().clone().requires_grad_()
+    xk, rk = x.clone().requires_grad_(), r.clone().requires_grad_()
+    y = tbn.batch_norm_train(xk, w, b, None, None, 0.1, 1e-5,
+                             residual=rk if residual else None, relu=relu)
+    _close(y, y64, 2e-6)
+    assert not relu or bool((y >= 0).all()) and bool((y == 0).any())  # the ReLU cut some
+    gy = torch.randn_like(y64)
+    y64.backward(gy)
+    y.backward(gy.float())
+    _close(xk.grad, x64.grad, 2e-6)
+    _close(w.grad, ref.weight.grad, 2e-6)
+    _close(b.grad, ref.bias.grad, 2e-6)
+    if residual:
+        _close(rk.grad, r64.grad, 1e-6)
+    else:
+        assert rk.grad is None
+
+
+def test_the_fused_output_changed_in_place_before_the_backward_is_an_error():
+    # its ReLU mask is the saved output itself: autograd's version check, not a wrong gradient
+    x = _input((2, 8, 2, 3, 3)).requires_grad_()
+    y = tbn.batch_norm_train(x, None, None, None, None, 0.1, 1e-5, relu=True)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_residual_of_another_layout_is_refused_by_the_kernel_and_added_by_the_layer():
+    layer = _reference(8).float()
+    layer.__class__ = ChannelsLastBatchNorm3d
+    x = _input((2, 8, 2, 3, 3))
+    r = torch.randn(x.shape)  # NCDHW
+    with pytest.raises(ValueError, match="residual must have the input's shape"):
+        tbn.batch_norm_train(x, None, None, None, None, 0.1, 1e-5, residual=r)
+    ref = copy.deepcopy(layer)
+    want = torch.relu(nn.BatchNorm3d.forward(ref, x) + r)
+    torch.testing.assert_close(layer.fused_forward(x, residual=r, relu=True), want)
+
+
+@pytest.mark.parametrize("arch", ["r3d_18", "r2plus1d_18"])
+def test_a_backbone_in_triton_mode_trains_as_the_declared_layers(arch, monkeypatch):
+    # a whole (small) video backbone, one training step, all in float64 (the kernels then
+    # compute in float64 too): the declared layers (mode "off": nn.Conv3d, BatchNorm3d,
+    # torchvision's blocks) against the same weights with every batch norm, residual add and
+    # ReLU the Triton kernels run, fused where torchvision's blocks put them; then eval
+    torch.manual_seed(0)
+    net = video_backbone(arch, 8, (1, 1, 1, 1)).double()
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm3d):
+            with torch.no_grad():
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    for m in net.modules():  # float64 convolutions on the CPU answer NCDHW: made channels-last
+        if isinstance(m, nn.Conv3d):  # (what the kernels take; the values do not change)
+            m.register_forward_hook(lambda _m, _i, out: out.contiguous(memory_format=CL3))
+    ref = copy.deepcopy(net)
+    clip = torch.randn(2, 3, 4, 16, 16, dtype=torch.float64).contiguous(memory_format=CL3)
+    monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "off")
+    y64 = ref(clip)
+    gy = torch.randn_like(y64)
+    y64.backward(gy)
+    calls = []
+    real = tbn.batch_norm_train
+    monkeypatch.setattr(tbn, "batch_norm_train", lambda *a, **k: calls.append(
+        (k.get("residual") is not None, k.get("relu", False))) or real(*a, **k))
+    monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "triton")
+    y = net(clip)
+    y.backward(gy)
+    _close(y, y64, 1e-10)
+    for (name, p), p64 in zip(net.named_parameters(), ref.parameters()):
+        _close(p.grad, p64.grad, 1e-9)
+    for b, b64 in zip(net.buffers(), ref.buffers()):  # (momentum reaches a kernel as fp32)
+        _close(b.double(), b64.double(), 1e-7)
+    bns = sum(isinstance(m, nn.BatchNorm3d) for m in net.modules())
+    assert len(calls) == bns and calls.count((True, True)) == 4  # every BN; 4 blocks' tails
+    assert calls.count((False, True)) >= 5  # the stem's and each block's first BN, with ReLU
+    net.eval()
+    ref.eval()
+    monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "off")
+    want = ref(clip)
+    monkeypatch.setattr(ChannelsLastBatchNorm3d, "mode", "triton")
+    _close(net(clip), want, 1e-7)  # the running statistics' (fp32 momentum) agreement
+
+
+def test_the_residual_is_added_to_the_output_rounded_to_its_dtype():
+    # as ``bn(x) + r`` in bf16: the batch norm's output is a bf16 tensor before the add.
+    # weight 0, bias 1 + 2^-8 (between two bf16 values: 1.0 either way it rounds) and r = -1:
+    # 0 when rounded first, 2^-8 if the sum were taken in fp32
+    c = 4
+    x = _input((2, c, 2, 3, 3), dtype=torch.bfloat16)
+    r = torch.full_like(x, -1.0)
+    w, b = torch.zeros(c), torch.full((c,), 1.0 + 2 ** -8)
+    eager = nn.BatchNorm3d.forward(_layer_with(w, b), x) + r
+    assert bool((eager == 0).all())
+    y = tbn.batch_norm_train(x, w, b, None, None, 0.1, 1e-5, residual=r)
+    assert bool((y == 0).all())
+
+
+def _layer_with(w, b):
+    layer = nn.BatchNorm3d(w.numel())
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    return layer
+
+
+@pytest.mark.parametrize("how", ["sum", "ncdhw"])
+@pytest.mark.parametrize("form", ["flat", "triton"])
+def test_a_gradient_of_another_layout_reaches_the_backward_right(how, form):
+    # a sum over the batch hands back a gradient expanded along it (stride 0), and an op after
+    # the layer may hand back an NCDHW one: both must be read as values, not as channels-last
+    # memory
+    ref = _reference(6)
+    layer = copy.deepcopy(ref).float()
+    layer.__class__ = ChannelsLastBatchNorm3d
+    x = _input((3, 6, 4, 5, 7))
+    x64, xk = x.double().requires_grad_(), x.clone().requires_grad_()
+    weights = torch.randn(x.shape, dtype=torch.float64)  # NCDHW
+    run = layer.flat_forward if form == "flat" else layer.triton_forward
+    y64, y = ref(x64), run(xk)
+    if how == "sum":
+        w = weights[0]
+        (y64.sum(0) * w).sum().backward()
+        (y.sum(0) * w.float()).sum().backward()
+    else:
+        (y64.contiguous() * weights).sum().backward()
+        (y.contiguous() * weights.float()).sum().backward()
+    _close(xk.grad, x64.grad, 2e-6)
+    _close(layer.weight.grad, ref.weight.grad, 2e-6)
+
+
+def test_the_flat_form_in_eval_back_propagates_as_batchnorm3d():
+    # a frozen batch norm (eval: running statistics) that still passes gradients
+    ref = _reference(6)
+    ref(_input((3, 6, 4, 5, 7)).double())  # running statistics of their own
+    ref.eval()
+    layer = copy.deepcopy(ref).float()
+    layer.__class__ = ChannelsLastBatchNorm3d
+    x = _input((3, 6, 4, 5, 7))
+    x64, xk = x.double().requires_grad_(), x.clone().requires_grad_()
+    gy = torch.randn(x.shape, dtype=torch.float64).contiguous(memory_format=CL3)
+    (ref(x64) * gy).sum().backward()
+    (layer.flat_forward(xk) * gy.float()).sum().backward()
+    _close(xk.grad, x64.grad, 2e-6)
+    _close(layer.weight.grad, ref.weight.grad, 2e-6)
+    _close(layer.bias.grad, ref.bias.grad, 2e-6)
+
+
+def test_an_empty_batch_is_batchnorm3ds_empty_output():
+    layer = _reference(6).float()
+    layer.__class__ = ChannelsLastBatchNorm3d
+    x = torch.empty(0, 6, 2, 3, 3).contiguous(memory_format=CL3)
+    assert not tbn.supports(x)
+    assert layer.triton_forward(x).shape == x.shape
