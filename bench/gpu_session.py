@@ -146,7 +146,7 @@ PARTS = {  # in the order they run: the most valuable first
         "stem", "bn", "runs", "speedup", "speedup_mean", "speedup_ci95", "bn_speedup",
         "bn_speedup_mean", "bn_speedup_ci95", "triton_speedup", "triton_speedup_mean",
         "triton_speedup_ci95")),
-    "bn": Spec(part_bn, 60, 20, ("batch", "forms", "shapes", "encoder_fwd_bwd_ms")),
+    "bn": Spec(part_bn, 90, 30, ("batch", "forms", "shapes", "encoder_fwd_bwd_ms")),
     "select": Spec(part_select, 60, 25, (
         "N", "M", "d", "d_h", "variants", "alone", "overlap_setting", "encoder_ms",
         "selections_ms", "beside")),
