@@ -176,7 +176,7 @@ PARTS = {  # in the order they run: the most valuable first
 ENV = Spec(part_env, 60, 0, (
     "device", "sm_count", "memory_gib", "capability", "l2_mib", "torch", "triton", "cuda",
     "cudnn", "driver", "versions", "commit", "source_sha256", "date", "python", "cpu_count",
-    "clocks", "dry_run", "budget_s"))
+    "clocks", "dry_run", "budget_s", "layer_forms"))
 FAIL_ENV = "GPU_SESSION_FAIL"  # the --fail-part hook, as the parts' processes see it
 
 

@@ -48,6 +48,14 @@ TRACE_LIMIT = 15 * 2 ** 20  # bytes: a file back from the device machine is at m
 # the parts: fn(args, report) -> figures (a dict in the part's key order); report(**figures)
 # keeps what is measured so far (a crash or a timeout then keeps it in the failure line)
 # ---------------------------------------------------------------------------------------------
+def _layer_forms() -> dict:
+    """The video encoders' layer forms every part runs unless it sets its own (the defaults, or
+    what CMACC_FAST_LAYERS / CMACC_BATCH_NORM chose)."""
+    from cmacc.encoders import ChannelsLastBatchNorm3d, StemConv3d
+
+    return dict(stem=StemConv3d.mode, batch_norm=ChannelsLastBatchNorm3d.mode)
+
+
 def part_env(args, report) -> dict:
     from bench.common import git_commit, source_sha256
 
@@ -66,7 +74,7 @@ def part_env(args, report) -> dict:
                commit=git_commit(), source_sha256=source_sha256(),
                date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), python=sys.version.split()[0],
                cpu_count=os.cpu_count(), clocks=nvidia_smi_clocks(), dry_run=args.dry_run,
-               budget_s=args.budget_s)
+               budget_s=args.budget_s, layer_forms=_layer_forms())
     if cuda:
         p = torch.cuda.get_device_properties(0)
         out.update(device=p.name, sm_count=p.multi_processor_count,

@@ -370,6 +370,13 @@ class _FusedBasicBlock(BasicBlock3d):
 FAST_LAYERS_ENV = "CMACC_FAST_LAYERS"  # "0": the declared layers on CUDA too (set at import)
 if os.environ.get(FAST_LAYERS_ENV, "1") == "0":
     StemConv3d.mode = ChannelsLastBatchNorm3d.mode = "off"
+BATCH_NORM_ENV = "CMACC_BATCH_NORM"  # the batch norm's form on CUDA (set at import; wins over
+BATCH_NORMS = ("flat", "triton", "off")  # CMACC_FAST_LAYERS for the batch norm)
+if os.environ.get(BATCH_NORM_ENV):
+    if os.environ[BATCH_NORM_ENV] not in BATCH_NORMS:
+        raise ValueError(f"{BATCH_NORM_ENV}={os.environ[BATCH_NORM_ENV]!r}: the video encoders' "
+                         f"batch norm form is one of {', '.join(BATCH_NORMS)} (unset: flat)")
+    ChannelsLastBatchNorm3d.mode = os.environ[BATCH_NORM_ENV]
 
 
 def fast_video_layers(backbone: nn.Module) -> nn.Module:

@@ -179,16 +179,24 @@ def test_every_batch_norm_of_a_video_backbone_is_the_flat_one_with_its_state(arc
 
 
 def test_cmacc_fast_layers_0_turns_both_forms_off_for_the_process():
-    # the escape hatch: the declared nn.Conv3d / nn.BatchNorm3d on CUDA too
+    # the escape hatch: the declared nn.Conv3d / nn.BatchNorm3d on CUDA too; and the batch
+    # norm's own choice (CMACC_BATCH_NORM), which wins for the batch norm, a bad value refused
     import subprocess
     import sys
 
     probe = ("from cmacc.encoders import StemConv3d as S, ChannelsLastBatchNorm3d as B; "
              "print(S.mode, B.mode)")
-    for value, want in (("0", "off off"), ("1", "fold flat"), (None, "fold flat")):
-        env = {k: v for k, v in __import__("os").environ.items() if k != "CMACC_FAST_LAYERS"}
-        if value is not None:
-            env["CMACC_FAST_LAYERS"] = value
+    for fast, bn, want in (("0", None, "off off"), ("1", None, "fold flat"),
+                           (None, None, "fold flat"), (None, "triton", "fold triton"),
+                           ("0", "flat", "off flat"), (None, "bogus", None)):
+        env = {k: v for k, v in __import__("os").environ.items()
+               if k not in ("CMACC_FAST_LAYERS", "CMACC_BATCH_NORM")}
+        env.update({k: v for k, v in (("CMACC_FAST_LAYERS", fast), ("CMACC_BATCH_NORM", bn))
+                    if v is not None})
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                              text=True, timeout=300)
-        assert out.returncode == 0 and out.stdout.split() == want.split(), out.stderr[-2000:]
+        if want is None:
+            assert out.returncode != 0 and "CMACC_BATCH_NORM='bogus'" in out.stderr
+            assert "one of flat, triton, off" in out.stderr
+        else:
+            assert out.returncode == 0 and out.stdout.split() == want.split(), out.stderr[-2000:]
