@@ -233,10 +233,10 @@ class ChannelsLastBatchNorm3d(nn.BatchNorm3d):
     def flat_forward(self, x):
         """The 4-D channels-last view's batch norm (the tests run it on the CPU, with fp32 or
         fp64 parameters; once differentiable: no double backward); inputs of another layout
-        go through BatchNorm3d. Refuses other than 5-D input,
-        as BatchNorm3d. The running statistics' rules are _BatchNorm.forward's: the count
-        steps in training, momentum None is the cumulative average, the batch's statistics
-        normalise in training or where no running statistics are kept."""
+        go through BatchNorm3d. Refuses other than 5-D input, as BatchNorm3d. The running
+        statistics' rules are _BatchNorm.forward's: the count steps in training, momentum None
+        is the cumulative average, the batch's statistics normalise in training or where no
+        running statistics are kept."""
         nn.BatchNorm3d._check_input_dim(self, x)
         if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last_3d):
             return super().forward(x)
@@ -321,9 +321,10 @@ def _triton_device(x) -> bool:
 
 class _FusingSequential(nn.Sequential):
     """nn.Sequential that, in ``ChannelsLastBatchNorm3d.mode`` "triton", runs each batch norm
-    followed by a ReLU as one fused pass (``fused_forward``): the stem, a block's first
-    convolution (conv, BN, ReLU) and r(2+1)d's factored convolutions. Otherwise, in TorchScript
-    and on the CPU, nn.Sequential."""
+    followed by a ReLU as one fused pass (``fused_forward``): the stem and a block's first
+    convolution (conv, BN, ReLU; r(2+1)d's factored convolution inside it, a Conv2Plus1D, is
+    not fused). In other modes and in TorchScript it is nn.Sequential; where the kernels do not
+    run, ``fused_forward`` runs the same ops one by one."""
 
     def forward(self, x):
         if ChannelsLastBatchNorm3d.mode != "triton":
@@ -348,8 +349,9 @@ class _FusingSequential(nn.Sequential):
 
 class _FusedBasicBlock(BasicBlock3d):
     """torchvision's BasicBlock whose last batch norm, residual add and ReLU run as one fused
-    pass in ``ChannelsLastBatchNorm3d.mode`` "triton" (``fused_forward``); otherwise, in
-    TorchScript and on the CPU, BasicBlock's forward. Same parameters and state dict."""
+    pass in ``ChannelsLastBatchNorm3d.mode`` "triton" (``fused_forward``: the same ops one by
+    one where the kernels do not run); in other modes and in TorchScript, BasicBlock's forward.
+    Same parameters and state dict."""
 
     def forward(self, x):
         bn = self.conv2[-1]

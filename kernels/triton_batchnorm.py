@@ -302,9 +302,9 @@ def _forward(x, weight, bias, running_mean, running_var, momentum, eps, residual
     block_c, block_r = _blocks(c)
     per, slabs = _slabs(r, block_r)
     acc, acc_tl = _acc(x)
-    f32 = dict(dtype=acc, device=x.device)
-    part = torch.empty(slabs, 2 * c, **f32)
-    mean, invstd = torch.empty(c, **f32), torch.empty(c, **f32)
+    stats = dict(dtype=acc, device=x.device)
+    part = torch.empty(slabs, 2 * c, **stats)
+    mean, invstd = torch.empty(c, **stats), torch.empty(c, **stats)
     y = torch.empty_like(x)  # the same (channels-last) layout
     _stats_partial_kernel[(slabs,)](x, part, r, c, per, BLOCK_R=block_r, BLOCK_C=block_c,
                                     ACC=acc_tl, num_warps=WARPS)
@@ -361,12 +361,13 @@ class _BatchNormTrain(torch.autograd.Function):
         x, weight, mean, invstd, y = ctx.saved_tensors
         fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
         gy = gy.contiguous(memory_format=fmt)  # a no-op when it already is
-        dx, dw, db, dr = _backward(gy, x, y, mean, invstd, weight, ctx.has_residual, ctx.relu)
+        need = ctx.needs_input_grad
+        dx, dw, db, dr = _backward(gy, x, y, mean, invstd, weight,
+                                   ctx.has_residual and need[7], ctx.relu)
         dw = dw.to(weight.dtype) if weight is not None else None
         db = db.to(weight.dtype if weight is not None else db.dtype) if ctx.has_bias else None
-        need = ctx.needs_input_grad
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
-                None, None, None, None, dr if need[7] else None, None)
+                None, None, None, None, dr, None)
 
 
 def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps, residual=None,
@@ -379,9 +380,9 @@ def batch_norm_train(x, weight, bias, running_mean, running_var, momentum, eps, 
     double backward). The output has x's layout and dtype and is a tensor of its own (not a
     view)."""
     if not supports(x):
-        raise ValueError(f"kernels.triton_batchnorm: a dense channels-last fp32/bf16/fp16 tensor "
-                         f"with 2..{MAX_C} channels on CUDA is needed, got {tuple(x.shape)} "
-                         f"{x.dtype} on {x.device}")
+        raise ValueError(f"kernels.triton_batchnorm: a dense channels-last fp32/bf16/fp16/fp64 "
+                         f"tensor with 2..{MAX_C} channels on CUDA is needed, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
     if residual is not None and not fits(residual, x):
         raise ValueError(f"kernels.triton_batchnorm: the residual must have the input's shape, "
                          f"dtype, device and layout, got {tuple(residual.shape)} "
