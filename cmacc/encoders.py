@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.models.video import r2plus1d_18, r3d_18
 from torchvision.models.video.resnet import BasicBlock as BasicBlock3d
-from torchvision.models.video.resnet import Conv2Plus1D, Conv3DSimple
+from torchvision.models.video.resnet import BasicStem, Conv2Plus1D, Conv3DSimple, R2Plus1dStem
 
 VIDEO_ARCHS = ("r3d_18", "r2plus1d_18")
 
@@ -384,7 +384,8 @@ if os.environ.get(BATCH_NORM_ENV):
 def fast_video_layers(backbone: nn.Module) -> nn.Module:
     """``backbone`` with its stem's first Conv3d made a StemConv3d, every BatchNorm3d a
     ChannelsLastBatchNorm3d, every torchvision BasicBlock a _FusedBasicBlock and every plain
-    nn.Sequential holding a batch norm then a ReLU a _FusingSequential (the same parameters
+    nn.Sequential or torchvision stem (BasicStem, R2Plus1dStem: nn.Sequential with their own
+    __init__ only) holding a batch norm then a ReLU a _FusingSequential (the same parameters
     and buffers, in place; the last two differ only in "triton" mode); returns it."""
     conv = backbone.stem[0]
     if type(conv) is nn.Conv3d:
@@ -394,8 +395,9 @@ def fast_video_layers(backbone: nn.Module) -> nn.Module:
             mod.__class__ = ChannelsLastBatchNorm3d
         elif type(mod) is BasicBlock3d:
             mod.__class__ = _FusedBasicBlock
-        elif type(mod) is nn.Sequential and any(
-                type(a) is nn.BatchNorm3d and type(b) is nn.ReLU for a, b in zip(mod, mod[1:])):
+        elif type(mod) in (nn.Sequential, BasicStem, R2Plus1dStem) and any(
+                type(a) is nn.BatchNorm3d and type(b) is nn.ReLU
+                for a, b in zip(list(mod), list(mod)[1:])):
             mod.__class__ = _FusingSequential
     return backbone
 

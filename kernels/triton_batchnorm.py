@@ -145,7 +145,8 @@ def _stats_merge_kernel(part_ptr, mean_ptr, invstd_ptr, rmean_ptr, rvar_ptr, R, 
     if UPDATE:
         rm = tl.load(rmean_ptr + cols, mask=cmask).to(ACC)
         rv = tl.load(rvar_ptr + cols, mask=cmask).to(ACC)
-        unbiased = var * (R / (R - 1.0))
+        rows = R.to(ACC)
+        unbiased = var * (rows / (rows - 1.0))
         tl.store(rmean_ptr + cols, (1.0 - momentum) * rm + momentum * mean, mask=cmask)
         tl.store(rvar_ptr + cols, (1.0 - momentum) * rv + momentum * unbiased, mask=cmask)
 
@@ -187,7 +188,7 @@ def _normalise_kernel(x_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, r_ptr, R
         y = y.to(y_ptr.dtype.element_ty).to(ACC)
         y = y + tl.load(r_ptr + offs, mask=mask, other=0.0).to(ACC)
     if RELU:
-        y = tl.maximum(y, 0.0)
+        y = tl.maximum(y, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as relu
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -225,7 +226,8 @@ def _masked_grad(g_ptr, y_ptr, offs, mask, RELU: tl.constexpr, ACC: tl.constexpr
     # the gradient at the batch norm's (+ residual's) output: g, or g where the ReLU passed
     # (read only there: 0 elsewhere, as ReLU's backward)
     if RELU:
-        mask = mask & (tl.load(y_ptr + offs, mask=mask, other=0.0) > 0)
+        # zero where y <= 0, as threshold_backward (a NaN output passes its gradient)
+        mask = mask & ~(tl.load(y_ptr + offs, mask=mask, other=0.0) <= 0)
     return tl.load(g_ptr + offs, mask=mask, other=0.0).to(ACC)
 
 
@@ -275,8 +277,8 @@ WARPS = 8  # the passes over the activation: 4,096 values a tile, 16 a thread
 
 def supports(x: torch.Tensor) -> bool:
     """Whether ``batch_norm_train`` takes ``x``: a dense channels_last_3d 5-D tensor (or a 4-D
-    channels-last one) of fp32 / bf16 / fp16 with 2 <= C <= MAX_C, whose rows fit int32 tiles,
-    on CUDA or (under the interpreter) the CPU."""
+    channels-last one) of fp32 / bf16 / fp16 / fp64 with 2 <= C <= MAX_C, whose rows fit int32
+    tiles, on CUDA or (under the interpreter) the CPU."""
     if x.dim() not in (4, 5) or x.dtype not in DTYPES or not 2 <= x.shape[1] <= MAX_C:
         return False
     fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last

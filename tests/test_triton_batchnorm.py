@@ -346,3 +346,35 @@ def test_an_empty_batch_is_batchnorm3ds_empty_output():
     x = torch.empty(0, 6, 2, 3, 3).contiguous(memory_format=CL3)
     assert not tbn.supports(x)
     assert layer.triton_forward(x).shape == x.shape
+
+
+def test_a_nan_or_inf_goes_through_the_fused_relu_as_through_torch():
+    # relu(nan) is nan, and threshold_backward zeroes the gradient only where y <= 0
+    c = 4
+    x = _input((2, c, 2, 3, 3))
+    r = torch.zeros_like(x)
+    r[0, 0, 0, 0, 0], r[0, 1, 0, 0, 0], r[0, 2, 0, 0, 0] = float("nan"), float("inf"), -float("inf")
+    want_x, want_r = x.clone().requires_grad_(), r.clone().requires_grad_()
+    want = torch.relu(nn.BatchNorm3d.forward(_layer_with(torch.ones(c), torch.zeros(c)), want_x)
+                      + want_r)
+    gy = torch.ones_like(want)
+    want.backward(gy)
+    got_r = r.clone().requires_grad_()
+    got = tbn.batch_norm_train(x, torch.ones(c), torch.zeros(c), None, None, 0.1, 1e-5,
+                               residual=got_r, relu=True)
+    got.backward(gy)
+    torch.testing.assert_close(got, want.detach(), equal_nan=True)
+    torch.testing.assert_close(got_r.grad, want_r.grad, equal_nan=True)
+
+
+def test_the_paper_size_backbones_fuse_their_stems_and_blocks():
+    # torchvision's own r3d_18 / r2plus1d_18 (BasicStem / R2Plus1dStem: nn.Sequential
+    # subclasses) get the fusing stem and blocks, not only the scaled copies the tests train
+    from cmacc.encoders import _FusedBasicBlock, _FusingSequential
+
+    for arch in ("r3d_18", "r2plus1d_18"):
+        net = video_backbone(arch)
+        assert type(net.stem) is _FusingSequential, arch
+        blocks = [m for layer in (net.layer1, net.layer2, net.layer3, net.layer4) for m in layer]
+        assert len(blocks) == 8 and all(type(b) is _FusedBasicBlock for b in blocks), arch
+        assert all(type(b.conv1) is _FusingSequential for b in blocks), arch
