@@ -324,7 +324,8 @@ class _FusingSequential(nn.Sequential):
     followed by a ReLU as one fused pass (``fused_forward``): the stem and a block's first
     convolution (conv, BN, ReLU; r(2+1)d's factored convolution inside it, a Conv2Plus1D, is
     not fused). In other modes and in TorchScript it is nn.Sequential; where the kernels do not
-    run, ``fused_forward`` runs the same ops one by one."""
+    run, ``fused_forward`` runs the same ops one by one. A fused batch norm and its ReLU are
+    not called as modules: their forward hooks do not run in this mode."""
 
     def forward(self, x):
         if ChannelsLastBatchNorm3d.mode != "triton":
