@@ -14,22 +14,31 @@ import torch
 from bench.session_common import bench_ms, sizes
 
 
+def _inputs_by(backbone, x, cls, key) -> dict:
+    """{key(module, its input): [names]} over the modules of type ``cls`` in ``backbone``, as a
+    no-grad forward of ``x`` reaches them."""
+    seen, hooks = {}, []
+    for name, mod in backbone.named_modules():
+        if isinstance(mod, cls):
+            def hook(m, inp, _out, name=name):
+                seen.setdefault(key(m, inp[0]), []).append(name)
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            backbone(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
 def _conv_layers(backbone, x) -> list[dict]:
     """Every Conv3d of ``backbone`` with the input shape it sees on ``x``, grouped by shape."""
     import torch.nn as nn
 
-    seen, hooks = {}, []
-    for name, mod in backbone.named_modules():
-        if isinstance(mod, nn.Conv3d):
-            def hook(m, inp, _out, name=name):
-                key = (tuple(inp[0].shape), m.out_channels, m.kernel_size, m.stride, m.padding,
-                       m.dilation, m.groups)
-                seen.setdefault(key, []).append(name)
-            hooks.append(mod.register_forward_hook(hook))
-    with torch.no_grad():
-        backbone(x)
-    for h in hooks:
-        h.remove()
+    seen = _inputs_by(backbone, x, nn.Conv3d, lambda m, inp: (
+        tuple(inp.shape), m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation,
+        m.groups))
     return [dict(zip(("in_shape", "out_channels", "kernel", "stride", "padding", "dilation",
                       "groups"), key), names=names) for key, names in seen.items()]
 
@@ -196,7 +205,7 @@ def _stem_rows(layer: dict, dev: str, dtype) -> list[dict]:
 def _stem_fold_rows(layer, x3, w3, ref, dev) -> list[dict]:
     """The stem as a 2-D convolution of each frame (kT frames x 3 channels folded into the
     input channels, zero-padded to 12 and to 16), the fold the model runs
-    (cmacc.encoders.fold_frames / fold_weight): forward, the fold itself, and weight-gradient
+    (cmacc.layer_forms.fold_frames / fold_weight): forward, the fold itself, and weight-gradient
     ms."""
     import torch.nn.functional as F
 
@@ -236,16 +245,7 @@ def _bn_shapes(backbone, x) -> list[dict]:
     """Every BatchNorm3d of ``backbone`` with the input shape it sees on ``x``, by shape."""
     import torch.nn as nn
 
-    seen, hooks = {}, []
-    for name, mod in backbone.named_modules():
-        if isinstance(mod, nn.BatchNorm3d):
-            def hook(m, inp, _out, name=name):
-                seen.setdefault(tuple(inp[0].shape), []).append(name)
-            hooks.append(mod.register_forward_hook(hook))
-    with torch.no_grad():
-        backbone(x)
-    for h in hooks:
-        h.remove()
+    seen = _inputs_by(backbone, x, nn.BatchNorm3d, lambda m, inp: tuple(inp.shape))
     return [dict(shape=list(shape), names=names) for shape, names in seen.items()]
 
 
