@@ -26,7 +26,7 @@ every key):
    clips/s, MFU); then active / random per pair and the mean with its 95 % t-interval
    (``cmacc.metrics.mean_ci``);
 2. ``layers``: the same trainer (random sampler) with the video encoders' fast layer forms
-   (cmacc.encoders.StemConv3d, ChannelsLastBatchNorm3d: the defaults), with the fast stem and
+   (cmacc.layer_forms.StemConv3d, ChannelsLastBatchNorm3d: the defaults), with the fast stem and
    BatchNorm3d's own path, with their declared nn.Conv3d / nn.BatchNorm3d, and with the fast
    stem and the Triton batch norm with its fused add and ReLU (kernels/triton_batchnorm.py),
    2 alternating rounds: step time off / fast, stem-only / fast and fast / triton per round,

@@ -1,5 +1,5 @@
 """Training-mode batch norm of a channels-last activation in Triton, forward and backward, at
-the memory bound (the video encoders' BatchNorm3d: cmacc.encoders.ChannelsLastBatchNorm3d,
+the memory bound (the video encoders' BatchNorm3d: cmacc.layer_forms.ChannelsLastBatchNorm3d,
 ``mode = "triton"``).
 
 A dense channels_last_3d tensor [B, C, T, H, W] is, in memory, a row-major matrix of R = B T H W

@@ -1,4 +1,4 @@
-"""The video encoders' BatchNorm3d on CUDA (cmacc.encoders.ChannelsLastBatchNorm3d): a
+"""The video encoders' BatchNorm3d on CUDA (cmacc.layer_forms.ChannelsLastBatchNorm3d): a
 channels_last_3d input is normalised as its 4-D channels-last view [B, C, T H, W]. Run here on
 the CPU (``flat_forward``) against nn.BatchNorm3d in float64: outputs, the gradients of the
 input, weight and bias, the running statistics and their count, in training and in eval."""

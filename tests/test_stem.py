@@ -1,4 +1,4 @@
-"""The video stem's fast forms (cmacc.encoders.StemConv3d): on CUDA the RGB stem runs as a 2-D
+"""The video stem's fast forms (cmacc.layer_forms.StemConv3d): on CUDA the RGB stem runs as a 2-D
 convolution of each frame with the kT frames it sees folded into the input channels ("fold"),
 or with its 3 input channels zero-padded ("pad"). Both are run here on the CPU
 (``folded_forward`` / ``padded_forward``) against nn.Conv3d in float64: the output, the

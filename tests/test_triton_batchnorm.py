@@ -2,7 +2,7 @@
 against nn.BatchNorm3d in float64 on the same values: the output, the input / weight / bias
 gradients, the running statistics and their count, several channel counts (powers of two and
 not), slabs of one and of several tiles, a last slab cut short; and as
-cmacc.encoders.ChannelsLastBatchNorm3d's ``mode = "triton"``."""
+cmacc.layer_forms.ChannelsLastBatchNorm3d's ``mode = "triton"``."""
 
 import copy
 
@@ -147,7 +147,7 @@ def test_what_the_kernels_do_not_take_goes_the_flat_way_and_cuda_takes_triton(mo
     layer = _reference(6).float()
     layer.__class__ = ChannelsLastBatchNorm3d
     taken = []
-    monkeypatch.setattr(tbn, "batch_norm_train", lambda *a: taken.append("triton") or a[0])
+    monkeypatch.setattr(tbn, "batch_norm_train", lambda *a, **k: taken.append("triton") or a[0])
     real_flat = ChannelsLastBatchNorm3d.flat_forward
     monkeypatch.setattr(ChannelsLastBatchNorm3d, "flat_forward",
                         lambda self, x: taken.append("flat") or real_flat(self, x))
@@ -370,7 +370,7 @@ def test_a_nan_or_inf_goes_through_the_fused_relu_as_through_torch():
 def test_the_paper_size_backbones_fuse_their_stems_and_blocks():
     # torchvision's own r3d_18 / r2plus1d_18 (BasicStem / R2Plus1dStem: nn.Sequential
     # subclasses) get the fusing stem and blocks, not only the scaled copies the tests train
-    from cmacc.encoders import _FusedBasicBlock, _FusingSequential
+    from cmacc.layer_forms import _FusedBasicBlock, _FusingSequential
 
     for arch in ("r3d_18", "r2plus1d_18"):
         net = video_backbone(arch)
